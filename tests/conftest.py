@@ -1,0 +1,46 @@
+"""Shared fixtures: the real SmolLM2 weights are read from disk once per test session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from tokenmill import LLM, EngineConfig
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.model.loader import DEFAULT_MODEL, LoadedModel, load_model
+
+
+@pytest.fixture(scope="session")
+def smollm() -> LoadedModel:
+    return load_model(DEFAULT_MODEL, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def make_llm(smollm: LoadedModel) -> Callable[..., LLM]:
+    """An LLM over the shared SmolLM2 weights; engine options as keyword arguments."""
+
+    def make(**options: object) -> LLM:
+        options.setdefault("dtype", "float32")
+        options.setdefault("num_kv_blocks", 2048)
+        options.setdefault("debug_checks", True)
+        config = EngineConfig.from_kwargs(model=DEFAULT_MODEL, **options)
+        return LLM.from_engine(LLMEngine(config, smollm))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llm_fp32(make_llm: Callable[..., LLM]) -> LLM:
+    return make_llm()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm: LoadedModel):
+    """The same GGUF loaded by Hugging Face transformers, in fp32: the reference model."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it to read a GGUF
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm.path.parent, gguf_file=smollm.path.name, dtype=torch.float32)
+    return model.eval()

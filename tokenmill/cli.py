@@ -1,0 +1,101 @@
+"""The `tokenmill` command: generate (and, as they land, serve and bench).
+
+Engine flags are derived from EngineConfig's fields, so a new option appears on every command at
+once. Errors print one line and exit with status 2; they never show a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+
+from tokenmill.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    hints = typing.get_type_hints(EngineConfig)
+    for field in dataclasses.fields(EngineConfig):
+        flag = "--" + field.name.replace("_", "-")
+        kind = hints[field.name]
+        if isinstance(kind, types.UnionType):  # "int | None" -> int
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        if field.name == "model" and positional_model:
+            parser.add_argument("model_pos", nargs="?", metavar="MODEL",
+                                help="built-in model name, .gguf file or safetensors folder")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                default=field.default)
+        else:
+            parser.add_argument(flag, type=kind, default=field.default,
+                                help=f"(default: {field.default})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    if getattr(args, "model_pos", None):
+        values["model"] = args.model_pos
+    return EngineConfig(**values)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from tokenmill.engine.engine import LLMEngine
+    from tokenmill.sampling_params import SamplingParams
+
+    engine = LLMEngine(engine_config_from_args(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed_sampling,
+                            stop=args.stop or None)
+    prompt: str = args.prompt
+    if args.chat:
+        prompt = engine.apply_chat_template([{"role": "user", "content": prompt}])
+        engine.add_request("cli", prompt, params,
+                           prompt_token_ids=engine.tokenizer.encode(prompt,
+                                                                    add_special_tokens=False))
+    else:
+        engine.add_request("cli", prompt, params)
+    shown = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text = output.outputs[0].text
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+            if output.error:
+                raise RuntimeError(output.error)
+    sys.stdout.write("\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate text for one prompt, streamed")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                     help="wrap the prompt in the model's chat template")
+    add_engine_args(gen)
+    gen.set_defaults(handler=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except (ValueError, RuntimeError, FileNotFoundError) as error:
+        print(f"tokenmill: error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""EngineConfig: every engine option in one dataclass, validated once.
+
+Built from `LLM(**kwargs)` or CLI flags (the flag is the field name with dashes); option names
+follow vLLM so its users feel at home.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "auto"
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the model's context length
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    block_size: int = 16
+    kv_cache_memory: float | None = None  # GiB for the KV pool
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    debug_checks: bool = False  # assert block accounting after every step
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("auto", *DTYPES), "dtype", self.dtype,
+               f"must be one of auto, {', '.join(DTYPES)}")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+               self.max_num_batched_tokens, "must be >= 1")
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", self.block_size,
+               "must be a power of two up to 128")
+        _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+               self.max_model_len, "must be >= 1")
+        _check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory",
+               self.kv_cache_memory, "must be > 0 GiB")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
+               self.num_kv_blocks, "must be >= 1")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        return torch.bfloat16 if cpu_has_fast_bf16() or self.device.startswith("cuda") \
+            else torch.float32
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AVX-512 BF16 or AMX: the CPU multiplies bf16 natively, so bf16 beats fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _check(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid engine option {name}={value!r}: {rule}")

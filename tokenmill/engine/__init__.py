@@ -1,0 +1,1 @@
+"""The serving engine: requests, KV blocks, scheduling, model execution and outputs."""

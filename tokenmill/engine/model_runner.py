@@ -1,0 +1,117 @@
+"""ModelRunner: turns a scheduled batch into tensors, runs the model, samples.
+
+It owns the device side: the model weights and the KV pool tensors (one K and one V tensor per
+layer, [num_blocks, block_size, num_kv_heads, head_dim]). It reads requests but never changes
+them; the engine applies the sampled tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.scheduler import ScheduledChunk, SchedulerOutput
+from tokenmill.model.attention import (AttentionMetadata, PrefillChunk, causal_mask_with_prefix,
+                                       padding_mask)
+from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.loader import LoadedModel
+from tokenmill.model.sampler import Sampler, SamplerOutput
+
+DEFAULT_KV_CACHE_GIB = 2.0
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # flat rows whose next token is sampled
+    sampled_chunks: list[ScheduledChunk]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype()
+        self.block_size = config.block_size
+        self.model = LlamaForCausalLM(loaded.config, loaded.weights, self.dtype, self.device)
+        self.sampler = Sampler(config.seed)
+        mc = loaded.config
+        bytes_per_token = mc.kv_bytes_per_token_per_dtype_byte * self.dtype.itemsize
+        if config.num_kv_blocks is not None:
+            self.num_blocks = config.num_kv_blocks
+        else:
+            gib = config.kv_cache_memory or DEFAULT_KV_CACHE_GIB
+            self.num_blocks = max(1, int(gib * 2**30) // (bytes_per_token * self.block_size))
+        shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        # Zeros, not empty: padded decode slots are masked, but 0 * NaN would still be NaN.
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(mc.num_layers)]
+        self.kv_cache_bytes = 2 * mc.num_layers * self.kv_caches[0][0].nbytes
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def execute(self, scheduled: SchedulerOutput) -> tuple[list[ScheduledChunk], SamplerOutput]:
+        inputs = self.prepare(scheduled.chunks)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not inputs.sampled_chunks:
+            return [], SamplerOutput([], [])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        requests = [c.request for c in inputs.sampled_chunks]
+        sampled = self.sampler(logits, [r.sampling_params for r in requests],
+                               [r.generator for r in requests])
+        return inputs.sampled_chunks, sampled
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        is_decode = [c.num_new_tokens == 1 and c.request.num_computed_tokens > 0 for c in chunks]
+        ordered = [c for c, d in zip(chunks, is_decode) if not d] + \
+                  [c for c, d in zip(chunks, is_decode) if d]
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        sampled: list[ScheduledChunk] = []
+        prefills: list[PrefillChunk] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        num_prefill_tokens = 0
+        for chunk in ordered:
+            request, start = chunk.request, chunk.request.num_computed_tokens
+            end = start + chunk.num_new_tokens
+            query_start = len(input_ids)
+            tokens = request.all_token_ids[start:end]
+            input_ids.extend(tokens)
+            positions.extend(range(start, end))
+            blocks = request.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            if chunk.completes_sequence:
+                logits_indices.append(len(input_ids) - 1)
+                sampled.append(chunk)
+            num_blocks = -(-end // bs)
+            if chunk.num_new_tokens == 1 and start > 0:
+                decode_tables.append(blocks[:num_blocks])
+                decode_lens.append(end)
+            else:
+                mask = None if start == 0 else causal_mask_with_prefix(
+                    chunk.num_new_tokens, end, self.dtype, self.device)
+                prefills.append(PrefillChunk(query_start, chunk.num_new_tokens, end,
+                                             self._tensor(blocks[:num_blocks]), mask))
+                num_prefill_tokens += chunk.num_new_tokens
+        decode_block_tables = decode_mask = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            decode_mask = padding_mask(self._tensor(decode_lens), width * bs, self.dtype)
+        meta = AttentionMetadata(self._tensor(slots), prefills, num_prefill_tokens,
+                                 decode_block_tables, decode_mask)
+        return StepInputs(self._tensor(input_ids), self._tensor(positions), meta,
+                          self._tensor(logits_indices), sampled)
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,112 @@
+"""Token-budget scheduler: decides which requests advance by how many tokens each step.
+
+There are no prefill and decode phases. Each request's `num_computed_tokens` catches up to its
+token count under one per-step budget, running requests first, then waiting ones in arrival
+order. That one rule gives continuous batching, chunked prefill and prefix-cache reuse. When the
+pool runs dry the newest running request is preempted: its blocks are freed and it is recomputed
+later from its tokens, so its output does not change.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """After this chunk every known token is computed, so the next token is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate(request, num_new):
+                victim = self.running.pop()  # the newest running request gives way
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(request, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break
+        # A preemption means the pool is tight: admitting new work now would only thrash.
+        while self.waiting and budget > 0 and not out.preempted \
+                and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv_cache.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv_cache.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv_cache.allocate(request, num_new, cached):
+                break
+            self.waiting.popleft()
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = time.time()
+                request.metrics.num_cached_tokens = num_cached
+            self.kv_cache.stats.record(request.num_tokens, num_cached)
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out of the queues for good and return its blocks to the pool."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)

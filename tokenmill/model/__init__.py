@@ -1,0 +1,1 @@
+"""The model side: weights loading, layers, paged attention and sampling."""

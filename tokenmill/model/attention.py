@@ -1,0 +1,103 @@
+"""Paged attention: write each step's K/V into cache slots, then attend over block tables.
+
+One step's tokens are laid out flat: the prefill chunks first (one per sequence, any length), then
+the decode tokens (one per sequence). `AttentionMetadata` is built once per step by the model
+runner and shared by every layer. This module never allocates or frees blocks; it only reads and
+writes the slots it is given. A GPU backend replaces `PagedAttention.forward` and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    query_start: int  # offset of the chunk's first token in the step's flat token list
+    query_len: int
+    context_len: int  # tokens the chunk attends to: cached prefix plus the chunk itself
+    block_table: torch.Tensor  # [ceil(context_len / block_size)] block ids
+    mask: torch.Tensor | None  # additive causal mask when there is a cached prefix, else None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat cache slot of every token in the step
+    prefills: list[PrefillChunk]
+    num_prefill_tokens: int
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks] block ids, padded with 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] additive padding mask
+
+    @property
+    def num_decodes(self) -> int:
+        return 0 if self.decode_block_tables is None else self.decode_block_tables.shape[0]
+
+
+def causal_mask_with_prefix(query_len: int, context_len: int, dtype: torch.dtype,
+                            device: torch.device) -> torch.Tensor:
+    """Query i sits at position context_len - query_len + i and sees keys up to that position."""
+    q_pos = torch.arange(context_len - query_len, context_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(context_len, device=device).unsqueeze(0)
+    mask = torch.zeros(query_len, context_len, dtype=dtype, device=device)
+    return mask.masked_fill_(k_pos > q_pos, float("-inf"))
+
+
+def padding_mask(seq_lens: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
+    k_pos = torch.arange(max_len, device=seq_lens.device).unsqueeze(0)
+    mask = torch.zeros(seq_lens.shape[0], max_len, dtype=dtype, device=seq_lens.device)
+    return mask.masked_fill_(k_pos >= seq_lens.unsqueeze(1), float("-inf"))[:, None, None, :]
+
+
+class PagedAttention:
+    """Stateless: the caches and the metadata come in with every call."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D], k and v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]."""
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for chunk in meta.prefills:
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            if chunk.mask is None:  # nothing cached before this chunk: attend to itself only
+                keys, values = k[rows], v[rows]
+            else:
+                keys = k_cache[chunk.block_table].flatten(0, 1)[:chunk.context_len]
+                values = v_cache[chunk.block_table].flatten(0, 1)[:chunk.context_len]
+            out[rows] = self._prefill(q[rows], keys, values, chunk.mask)
+        if meta.num_decodes:
+            out[meta.num_prefill_tokens:] = self._decode(
+                q[meta.num_prefill_tokens:], k_cache, v_cache, meta)
+        return out
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+            is_causal=mask is None, scale=self.scale, enable_gqa=self.group > 1)
+        return out.transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # Each KV head serves `group` query heads; treating those as the query length of one
+        # head lets a single SDPA call cover the whole batch without repeating K/V.
+        batch = q.shape[0]
+        tables = meta.decode_block_tables
+        keys = k_cache[tables].flatten(1, 2).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+        values = v_cache[tables].flatten(1, 2).permute(0, 2, 1, 3)
+        queries = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask,
+                                             scale=self.scale)
+        return out.reshape(batch, self.num_heads, self.head_dim)
