@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenmill.kernels import cpu_kernels
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -29,7 +31,8 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     num_prefill_tokens: int
     decode_block_tables: torch.Tensor | None  # [B, max_blocks] block ids, padded with 0
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] additive padding mask
+    decode_seq_lens: torch.Tensor | None  # [B] tokens each decode sequence attends to
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size], fallback path only
 
     @property
     def num_decodes(self) -> int:
@@ -51,8 +54,16 @@ def padding_mask(seq_lens: torch.Tensor, max_len: int, dtype: torch.dtype) -> to
     return mask.masked_fill_(k_pos >= seq_lens.unsqueeze(1), float("-inf"))[:, None, None, :]
 
 
+def decode_kernel_available(device: torch.device) -> bool:
+    return device.type == "cpu" and cpu_kernels() is not None
+
+
 class PagedAttention:
-    """Stateless: the caches and the metadata come in with every call."""
+    """Stateless: the caches and the metadata come in with every call.
+
+    Decode runs the C++ kernel that reads the block tables in place when it is available;
+    otherwise it gathers each sequence's blocks and calls SDPA with a padding mask.
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads
@@ -93,6 +104,11 @@ class PagedAttention:
                 meta: AttentionMetadata) -> torch.Tensor:
         # Each KV head serves `group` query heads; treating those as the query length of one
         # head lets a single SDPA call cover the whole batch without repeating K/V.
+        if meta.decode_mask is None:
+            out = cpu_kernels().paged_decode_attention(
+                q.float().contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                meta.decode_seq_lens, self.scale)
+            return out.to(q.dtype)
         batch = q.shape[0]
         tables = meta.decode_block_tables
         keys = k_cache[tables].flatten(1, 2).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
