@@ -200,3 +200,26 @@ def test_max_model_len_caps_generation(make_llm):
                                                          ignore_eos=True))
     assert len(output.outputs[0].token_ids) == 64 - 50
     assert output.outputs[0].finish_reason == "length"
+
+
+def test_prompt_logprobs_match_a_full_forward(make_llm, hf_smollm):
+    """Chunked prefill and a repeated prompt (no cache hit allowed) score every prompt token."""
+    import torch
+    llm = make_llm(max_num_batched_tokens=32)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 8
+    token_ids = llm.engine.tokenize(prompt)
+    assert len(token_ids) > 64  # several chunks of 32
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    first, again = llm.generate([prompt], params) + llm.generate([prompt], params)
+    with torch.inference_mode():
+        reference = hf_smollm(torch.tensor([token_ids])).logits[0].float().log_softmax(-1)
+    for output in (first, again):
+        entries = output.prompt_logprobs
+        assert len(entries) == len(token_ids) and entries[0] is None
+        for position, entry in enumerate(entries[1:], start=1):
+            expected = reference[position - 1]
+            assert entry[token_ids[position]] == pytest.approx(
+                expected[token_ids[position]].item(), abs=2e-3)
+            top_ids = expected.topk(2).indices.tolist()
+            assert set(top_ids) <= set(entry) and len(entry) <= 3
+    assert again.num_cached_tokens == 0

@@ -44,3 +44,4 @@ class RequestOutput:
     metrics: RequestOutputMetrics
     error: str | None = None
     num_cached_tokens: int = field(default=0)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token, first None

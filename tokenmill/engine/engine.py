@@ -112,6 +112,8 @@ class LLMEngine:
                 max_total_tokens=self.max_model_len, cache_salt=cache_salt,
                 prompt=prompt if isinstance(prompt, str) else None, generator=generator)
             request.metrics.arrival_time = arrival
+            if params.prompt_logprobs is not None:  # the first token has nothing to score it
+                request.prompt_logprobs = [None] * len(token_ids)
             sequences.append(request)
             detokenizers.append(IncrementalDetokenizer.for_prompt(
                 self.tokenizer, token_ids, params.stop_strings, params.include_stop_str_in_output))
@@ -139,7 +141,7 @@ class LLMEngine:
         if not scheduled.chunks:
             return self._fail_unschedulable()
         try:
-            sampled_chunks, sampled = self.runner.execute(scheduled)
+            result = self.runner.execute(scheduled)
         except Exception as error:  # a fault fails this batch's requests, not the engine
             logger.exception("model step failed; failing the %d requests in the batch",
                              len(scheduled.chunks))
@@ -154,12 +156,15 @@ class LLMEngine:
             if chunk.request.num_computed_tokens <= chunk.request.num_prompt_tokens:
                 self.prompt_tokens_total += chunk.num_new_tokens
             self.kv_cache.commit_full_blocks(chunk.request)
-        for chunk, token_id, logprobs in zip(sampled_chunks, sampled.token_ids,
-                                             sampled.logprobs):
+        for scored in result.prompt_logprobs:  # a recompute after preemption rewrites the same
+            end = scored.first_position + len(scored.entries)
+            scored.request.prompt_logprobs[scored.first_position:end] = scored.entries
+        for chunk, token_id, logprobs in zip(result.sampled_chunks, result.sampled.token_ids,
+                                             result.sampled.logprobs):
             self._append_token(chunk.request, token_id, logprobs, now)
         if self.config.debug_checks:
             self.kv_cache.check_invariants(self.scheduler.running)
-        return self._collect([c.request for c in sampled_chunks])
+        return self._collect([c.request for c in result.sampled_chunks])
 
     def _append_token(self, request: Request, token_id: int, logprobs: dict | None,
                       now: float) -> None:
@@ -232,7 +237,9 @@ class LLMEngine:
                                        m.num_cached_tokens, m.num_preemptions)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
                              group.finished, metrics, errors[0] if errors else None,
-                             m.num_cached_tokens)
+                             m.num_cached_tokens,
+                             first.prompt_logprobs
+                             if first.sampling_params.prompt_logprobs is not None else None)
 
     # ---- stats ----------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 It owns the device side: the model weights and the KV pool tensors (one K and one V tensor per
 layer, [num_blocks, block_size, num_kv_heads, head_dim]). It reads requests but never changes
-them; the engine applies the sampled tokens.
+them; the engine applies the sampled tokens and the prompt logprobs.
 """
 
 from __future__ import annotations
@@ -12,14 +12,18 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenmill.model.attention import (AttentionMetadata, PrefillChunk, causal_mask_with_prefix,
                                        padding_mask)
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import LoadedModel
-from tokenmill.model.sampler import Sampler, SamplerOutput
+from tokenmill.model.sampler import Sampler, SamplerOutput, logprob_entries
 
 DEFAULT_KV_CACHE_GIB = 2.0
+# Prompt logprobs are computed this many positions at a time, so a long prompt never holds a
+# [prompt_len, vocab] logits tensor (2048 x 49152 fp32 would be 400 MB).
+PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass(slots=True)
@@ -29,6 +33,22 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # flat rows whose next token is sampled
     sampled_chunks: list[ScheduledChunk]
+    prompt_logprob_chunks: list[tuple[ScheduledChunk, int]]  # (chunk, its first flat row)
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of prompt tokens `first_position`, `first_position + 1`, ... of one request."""
+    request: Request
+    first_position: int
+    entries: list[dict[int, float]]
+
+
+@dataclass(slots=True)
+class StepResult:
+    sampled_chunks: list[ScheduledChunk]
+    sampled: SamplerOutput
+    prompt_logprobs: list[PromptLogprobs]
 
 
 class ModelRunner:
@@ -56,16 +76,33 @@ class ModelRunner:
     def kv_capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def execute(self, scheduled: SchedulerOutput) -> tuple[list[ScheduledChunk], SamplerOutput]:
+    def execute(self, scheduled: SchedulerOutput) -> StepResult:
         inputs = self.prepare(scheduled.chunks)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        prompt_logprobs = [self._prompt_logprobs(hidden, chunk, row)
+                           for chunk, row in inputs.prompt_logprob_chunks]
         if not inputs.sampled_chunks:
-            return [], SamplerOutput([], [])
+            return StepResult([], SamplerOutput([], []), prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         requests = [c.request for c in inputs.sampled_chunks]
         sampled = self.sampler(logits, [r.sampling_params for r in requests],
                                [r.generator for r in requests])
-        return inputs.sampled_chunks, sampled
+        return StepResult(inputs.sampled_chunks, sampled, prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, chunk: ScheduledChunk,
+                         first_row: int) -> PromptLogprobs:
+        """The chunk's row for position p scores prompt token p + 1."""
+        request = chunk.request
+        start = request.num_computed_tokens
+        count = min(start + chunk.num_new_tokens, request.num_prompt_tokens - 1) - start
+        targets = request.prompt_token_ids[start + 1:start + 1 + count]
+        num_top = request.sampling_params.prompt_logprobs or 0
+        entries: list[dict[int, float]] = []
+        for offset in range(0, count, PROMPT_LOGPROB_ROWS):
+            rows = hidden[first_row + offset:first_row + min(count, offset + PROMPT_LOGPROB_ROWS)]
+            logprobs = self.model.compute_logits(rows).log_softmax(dim=-1)
+            entries += logprob_entries(logprobs, targets[offset:offset + len(rows)], num_top)
+        return PromptLogprobs(request, start + 1, entries)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
         is_decode = [c.num_new_tokens == 1 and c.request.num_computed_tokens > 0 for c in chunks]
@@ -77,6 +114,7 @@ class ModelRunner:
         slots: list[int] = []
         logits_indices: list[int] = []
         sampled: list[ScheduledChunk] = []
+        prompt_logprob_chunks: list[tuple[ScheduledChunk, int]] = []
         prefills: list[PrefillChunk] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -93,6 +131,9 @@ class ModelRunner:
             if chunk.completes_sequence:
                 logits_indices.append(len(input_ids) - 1)
                 sampled.append(chunk)
+            if request.sampling_params.prompt_logprobs is not None \
+                    and start < request.num_prompt_tokens - 1:
+                prompt_logprob_chunks.append((chunk, query_start))
             num_blocks = -(-end // bs)
             if chunk.num_new_tokens == 1 and start > 0:
                 decode_tables.append(blocks[:num_blocks])
@@ -111,7 +152,7 @@ class ModelRunner:
         meta = AttentionMetadata(self._tensor(slots), prefills, num_prefill_tokens,
                                  decode_block_tables, decode_mask)
         return StepInputs(self._tensor(input_ids), self._tensor(positions), meta,
-                          self._tensor(logits_indices), sampled)
+                          self._tensor(logits_indices), sampled, prompt_logprob_chunks)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

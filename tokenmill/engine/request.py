@@ -51,6 +51,8 @@ class Request:
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # One entry per prompt token when sampling_params.prompt_logprobs is set; the first is None.
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # digests of the full blocks so far

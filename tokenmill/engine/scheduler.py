@@ -77,7 +77,9 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted \
                 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            cached = self.kv_cache.find_cached_prefix(request)
+            # Prompt logprobs need every prompt position computed, so such a request never hits.
+            cached = [] if request.sampling_params.prompt_logprobs is not None \
+                else self.kv_cache.find_cached_prefix(request)
             num_cached = len(cached) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate(request, num_new, cached):

@@ -76,10 +76,18 @@ class Sampler:
             return result
         logprobs = logits[torch.tensor(wanted)].log_softmax(dim=-1)
         for r, i in enumerate(wanted):
-            entry = {chosen[i]: logprobs[r, chosen[i]].item()}
-            if params[i].logprobs:
-                values, ids = logprobs[r].topk(params[i].logprobs)
-                for token_id, value in zip(ids.tolist(), values.tolist()):
-                    entry.setdefault(token_id, value)
-            result[i] = entry
+            result[i] = logprob_entries(logprobs[r:r + 1], [chosen[i]], params[i].logprobs)[0]
         return result
+
+
+def logprob_entries(logprobs: torch.Tensor, chosen: list[int],
+                    num_top: int) -> list[dict[int, float]]:
+    """One dict per row of `logprobs`: the chosen token's logprob, then the `num_top` likeliest."""
+    chosen_values = logprobs.gather(1, torch.tensor(chosen).unsqueeze(1)).squeeze(1).tolist()
+    entries = [{token_id: value} for token_id, value in zip(chosen, chosen_values)]
+    if num_top:
+        values, ids = logprobs.topk(num_top, dim=-1)
+        for entry, row_ids, row_values in zip(entries, ids.tolist(), values.tolist()):
+            for token_id, value in zip(row_ids, row_values):
+                entry.setdefault(token_id, value)
+    return entries
