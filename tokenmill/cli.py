@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 import types
 import typing
@@ -88,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    # Start-up facts (weights and KV cache sizes) go to stderr, away from the generated text.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("tokenmill: %(message)s"))
+    logging.getLogger("tokenmill").addHandler(handler)
+    logging.getLogger("tokenmill").setLevel(logging.INFO)
     try:
         args.handler(args)
     except KeyboardInterrupt:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 
 
 @dataclass(slots=True)
@@ -28,6 +29,8 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
     debug_checks: bool = False  # assert block accounting after every step
+    quantization: str = "none"  # weights: none, int8 (per channel), int4 (grouped), gguf (own)
+    quant_group_size: int = 128  # inputs per int4 scale and zero point
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", *DTYPES), "dtype", self.dtype,
@@ -43,6 +46,10 @@ class EngineConfig:
                self.kv_cache_memory, "must be > 0 GiB")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
                self.num_kv_blocks, "must be >= 1")
+        _check(self.quantization in QUANTIZATIONS, "quantization", self.quantization,
+               f"must be one of {', '.join(QUANTIZATIONS)}")
+        _check(self.quant_group_size in (32, 64, 128), "quant_group_size", self.quant_group_size,
+               "must be 32, 64 or 128")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":

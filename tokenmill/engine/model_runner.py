@@ -7,6 +7,7 @@ them; the engine applies the sampled tokens and the prompt logprobs.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,9 @@ from tokenmill.model.attention import (AttentionMetadata, PrefillChunk, causal_m
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.sampler import Sampler, SamplerOutput, logprob_entries
+from tokenmill.quant import model_bytes, quantize_model
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_GIB = 2.0
 # Prompt logprobs are computed this many positions at a time, so a long prompt never holds a
@@ -57,6 +61,9 @@ class ModelRunner:
         self.dtype = config.torch_dtype()
         self.block_size = config.block_size
         self.model = LlamaForCausalLM(loaded.config, loaded.weights, self.dtype, self.device)
+        self.float_model_bytes = model_bytes(self.model)
+        quantize_model(self.model, config.quantization, config.quant_group_size, loaded.path)
+        self.model_bytes = model_bytes(self.model)
         self.sampler = Sampler(config.seed)
         mc = loaded.config
         bytes_per_token = mc.kv_bytes_per_token_per_dtype_byte * self.dtype.itemsize
@@ -71,6 +78,10 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(mc.num_layers)]
         self.kv_cache_bytes = 2 * mc.num_layers * self.kv_caches[0][0].nbytes
+        logger.info("weights: %.1f MiB in %s, %.1f MiB with quantization=%s; KV cache: %.1f MiB "
+                    "for %d tokens", self.float_model_bytes / 2**20, str(self.dtype)[6:],
+                    self.model_bytes / 2**20, config.quantization, self.kv_cache_bytes / 2**20,
+                    self.kv_capacity_tokens)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -1,7 +1,7 @@
-"""The model's building blocks: RMSNorm, rotary embedding, the gated MLP and the linear layer.
+"""The model's building blocks: the linear layer, the embedding, RMSNorm, rotary embedding, the MLP.
 
-`Linear` is the one place a weight is multiplied; quantization and tensor parallelism swap it,
-so nothing else in the model touches a weight matrix directly.
+`Linear` is the one place a weight is multiplied and `Embedding` the one place rows are looked
+up; quantization and tensor parallelism swap them, so nothing else touches a weight matrix.
 """
 
 from __future__ import annotations
@@ -12,12 +12,18 @@ from torch import nn
 
 
 class Linear(nn.Module):
-    """y = x W^T + b with W stored [out_features, in_features], as Hugging Face stores it."""
+    """y = x W^T + b with W stored [out_features, in_features], as Hugging Face stores it.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    `sources` names the checkpoint tensors stacked into W, in row order, so a quantizer that
+    reads the checkpoint's own blocks (GGUF) can rebuild this product from them.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 sources: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.sources = sources
 
     @property
     def out_features(self) -> int:
@@ -25,6 +31,17 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token id -> its row of the embedding matrix."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[input_ids]
 
 
 class RMSNorm(nn.Module):

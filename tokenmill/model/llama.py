@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from tokenmill.model.attention import AttentionMetadata, PagedAttention
-from tokenmill.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from tokenmill.model.layers import (Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
+                                    apply_rotary)
 from tokenmill.model.model_config import ModelConfig
 
 
@@ -41,20 +42,22 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
         super().__init__()
-        w = lambda name: weights[f"{prefix}.{name}"]  # noqa: E731
-        bias = None
-        if config.attention_bias:
-            bias = torch.cat([w("self_attn.q_proj.bias"), w("self_attn.k_proj.bias"),
-                              w("self_attn.v_proj.bias")])
-        qkv = Linear(torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
-                                w("self_attn.v_proj.weight")]), bias)
-        self.self_attn = Attention(config, qkv, Linear(w("self_attn.o_proj.weight")))
-        self.mlp = GatedMLP(
-            Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])),
-            Linear(w("mlp.down_proj.weight")))
-        self.input_layernorm = RMSNorm(w("input_layernorm.weight"), config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(w("post_attention_layernorm.weight"),
-                                                config.rms_norm_eps)
+        def fused(*parts: str) -> Linear:
+            names = [f"{prefix}.{part}" for part in parts]
+            bias = None
+            if f"{names[0]}.bias" in weights:  # Qwen2's q, k and v
+                bias = _stack_rows([weights[f"{name}.bias"] for name in names])
+            sources = tuple(f"{name}.weight" for name in names)
+            return Linear(_stack_rows([weights[source] for source in sources]), bias, sources)
+
+        self.self_attn = Attention(
+            config, fused("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            fused("self_attn.o_proj"))
+        self.mlp = GatedMLP(fused("mlp.gate_proj", "mlp.up_proj"), fused("mlp.down_proj"))
+        self.input_layernorm = RMSNorm(weights[f"{prefix}.input_layernorm.weight"],
+                                       config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(
+            weights[f"{prefix}.post_attention_layernorm.weight"], config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -69,13 +72,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         weights = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
-        self.embed_tokens = nn.Parameter(weights["model.embed_tokens.weight"],
-                                         requires_grad=False)
+        self.embed_tokens = Embedding(weights["model.embed_tokens.weight"])
         self.layers = nn.ModuleList(
             DecoderLayer(config, weights, f"model.layers.{i}") for i in range(config.num_layers))
         self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
-        lm_head = weights.get("lm_head.weight")
-        self.lm_head = Linear(self.embed_tokens if lm_head is None else lm_head)
+        if "lm_head.weight" in weights:
+            self.lm_head = Linear(weights["lm_head.weight"], sources=("lm_head.weight",))
+        else:  # tied: one parameter for both
+            self.lm_head = Linear(self.embed_tokens.weight, sources=("model.embed_tokens.weight",))
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, dtype, device)
 
@@ -84,7 +88,7 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final-norm hidden states [T, hidden] for the step's flat tokens."""
-        x = self.embed_tokens[input_ids]
+        x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta)
@@ -93,3 +97,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+def _stack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    # A lone tensor is kept as is, so a model shares its unfused weights with the loaded ones.
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)

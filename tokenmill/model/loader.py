@@ -376,6 +376,15 @@ def _dequantize(data: np.ndarray, tensor: GGUFTensorInfo) -> np.ndarray:
     return values.reshape(tensor.shape)
 
 
+def _to_hf_rows(weight: torch.Tensor, gguf_name: str, config: ModelConfig) -> torch.Tensor:
+    """A tensor's rows (values or raw blocks) in Hugging Face order."""
+    if config.architecture == "llama" and gguf_name.endswith(".attn_q.weight"):
+        return _undo_rope_permute(weight, config.num_heads)
+    if config.architecture == "llama" and gguf_name.endswith(".attn_k.weight"):
+        return _undo_rope_permute(weight, config.num_kv_heads)
+    return weight
+
+
 def _load_gguf(path: Path, dtype: torch.dtype, cache_dir: Path) -> LoadedModel:
     metadata, tensors = read_gguf_header(path)
     config = _gguf_config(metadata, tensors)
@@ -385,15 +394,37 @@ def _load_gguf(path: Path, dtype: torch.dtype, cache_dir: Path) -> LoadedModel:
     weights: dict[str, torch.Tensor] = {}
     for gguf_name, tensor in tensors.items():
         weight = torch.from_numpy(_dequantize(data, tensor)).to(dtype)
-        if config.architecture == "llama" and gguf_name.endswith(".attn_q.weight"):
-            weight = _undo_rope_permute(weight, config.num_heads)
-        elif config.architecture == "llama" and gguf_name.endswith(".attn_k.weight"):
-            weight = _undo_rope_permute(weight, config.num_kv_heads)
-        weights[_hf_name(gguf_name)] = weight
+        weights[_hf_name(gguf_name)] = _to_hf_rows(weight, gguf_name, config)
     _check_weight_names(weights, config, path)
     chat_template = metadata.get("tokenizer.chat_template")
     tokenizer = _gguf_tokenizer(path, cache_dir / "tokenizer", chat_template)
     return LoadedModel(config, weights, tokenizer, chat_template, path)
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFBlocks:
+    """One matrix's quantized blocks as the file stores them, rows in Hugging Face order."""
+    quant_type: gguf.GGMLQuantizationType
+    blocks: torch.Tensor  # uint8 [out_features, in_features / values per block, bytes per block]
+
+
+def read_gguf_blocks(path: Path) -> dict[str, GGUFBlocks]:
+    """Every matrix of a GGUF file by Hugging Face name, not de-quantized, for serving the file's
+    own quantization. Copy-on-write views of the file where no rows had to be reordered."""
+    metadata, tensors = read_gguf_header(path)
+    config = _gguf_config(metadata, tensors)
+    data = np.memmap(path, mode="c")
+    matrices: dict[str, GGUFBlocks] = {}
+    for gguf_name, tensor in tensors.items():
+        if len(tensor.shape) != 2:
+            continue
+        block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.quant_type]
+        rows, columns = tensor.shape
+        raw = data[tensor.offset:tensor.offset + rows * columns // block_size * type_size]
+        blocks = _to_hf_rows(torch.from_numpy(raw.reshape(rows, -1)), gguf_name, config)
+        matrices[_hf_name(gguf_name)] = GGUFBlocks(
+            tensor.quant_type, blocks.reshape(rows, columns // block_size, type_size))
+    return matrices
 
 
 def _gguf_tokenizer(path: Path, cache_dir: Path,

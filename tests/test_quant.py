@@ -1,0 +1,246 @@
+"""Tests for tokenmill.quant: int8/int4 round trips and layers, GGUF's blocks served exactly, and
+the engine's invariants on a quantized SmolLM2.
+
+Layer tests use small random matrices and force each path (packed kernel, de-quantize + GEMM) at
+every row count the crossover is measured at; model tests use the session's SmolLM2 weights.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as GGMLType
+
+from tests.prompts import SYSTEM_PROMPT, varied_prompts
+from tokenmill import EngineConfig, SamplingParams
+from tokenmill.model.layers import Linear
+from tokenmill.model.loader import GGUFBlocks
+from tokenmill.quant.gguf import gguf_linear
+from tokenmill.quant.int4 import Int4Linear
+from tokenmill.quant.int8 import Int8Linear
+from tokenmill.quant.linear import QuantizedEmbedding, QuantizedLinear
+
+ROW_COUNTS = (1, 8, 64, 256)
+PACKED, DEQUANTIZE = 1 << 30, 0  # packed_max_rows forcing one path for every row count
+
+
+def random_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    weight[0] = 0.0  # a zero row and a constant group must come back exactly
+    weight[1, :40] = 0.3  # a constant group
+    return weight
+
+
+# ---- round trips ------------------------------------------------------------------------------
+
+def test_int8_round_trip_is_within_half_a_step() -> None:
+    weight = random_weight(48, 576)
+    layer = Int8Linear.quantize(weight)
+    error = (layer.dequantize() - weight).abs()
+    assert (error <= layer.scales / 2 * (1 + 1e-6)).all()
+    assert layer.codes.dtype == torch.int8 and layer.codes.abs().max() == 127
+    assert torch.equal(layer.dequantize()[0], weight[0])
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("in_features", [256, 576])  # 576 = 4.5 groups of 128: padded
+def test_int4_round_trip_is_within_half_a_step(group_size: int, in_features: int) -> None:
+    weight = random_weight(48, in_features)
+    layer = Int4Linear.quantize(weight, group_size)
+    restored = layer.dequantize()
+    assert restored.shape == weight.shape
+    step = layer.scales.repeat_interleave(group_size, dim=1)[:, :in_features]
+    assert ((restored - weight).abs() <= step / 2 * (1 + 1e-5)).all()
+    assert layer.unpacked_codes().max() == 15 and layer.unpacked_codes().min() == 0
+    assert torch.equal(restored[0], weight[0])
+    # 4 bits a weight, plus a float scale and min a group
+    assert layer.codes.nbytes == 48 * layer.padded_in_features // 2
+
+
+# ---- layers against a float reference, every path ---------------------------------------------
+
+def layers(weight: torch.Tensor, bias: torch.Tensor, packed_max_rows: int | None,
+           ) -> list[QuantizedLinear]:
+    return [Int8Linear.quantize(weight, bias, packed_max_rows),
+            Int4Linear.quantize(weight, 32, bias, packed_max_rows),
+            Int4Linear.quantize(weight, 128, bias, packed_max_rows)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", [PACKED, DEQUANTIZE, None], ids=["packed", "dequant", "auto"])
+def test_quantized_linear_matches_float_reference(dtype: torch.dtype, path: int | None) -> None:
+    weight, bias = random_weight(96, 576).to(dtype), torch.randn(96).to(dtype)
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 5e-2}[dtype]
+    for layer in layers(weight, bias, path):
+        # The float reference: the layer's own de-quantized weight in a float GEMM.
+        reference_weight = layer.dequantize().to(dtype)
+        for rows in ROW_COUNTS:
+            x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            out = layer(x)
+            assert out.dtype == dtype and out.shape == (rows, 96)
+            expected = F.linear(x, reference_weight, bias)
+            torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+            # ... and the original float weight, within what quantization costs
+            assert (out.float() - F.linear(x, weight, bias).float()).abs().mean() < 0.15
+
+
+def test_paths_agree_and_keep_leading_dimensions() -> None:
+    weight = random_weight(64, 256)
+    x = torch.randn(2, 3, 256)
+    for packed, dequantized in zip(layers(weight, None, PACKED), layers(weight, None, DEQUANTIZE)):
+        torch.testing.assert_close(packed(x), dequantized(x), rtol=1e-5, atol=1e-5)
+        assert packed(x).shape == (2, 3, 64)
+
+
+def test_dequantize_path_in_slices_equals_one_float_gemm() -> None:
+    # 2000 rows of 576 float32 are over 2 MiB: three slices of W, each with its slice of the bias
+    layer = Int8Linear.quantize(random_weight(2000, 576), torch.randn(2000), DEQUANTIZE)
+    for rows in (1, 64):
+        x = torch.randn(rows, 576)
+        assert torch.equal(layer(x), F.linear(x, layer.dequantize(), layer.bias))
+
+
+def test_packed_path_is_skipped_where_the_kernel_cannot_run() -> None:
+    # The CPU int4 packing works on 16-row blocks; Q8_0-style grouped int8 has no kernel.
+    assert Int4Linear.quantize(random_weight(40, 256), 32).packed_max_rows == 0
+    assert Int4Linear.quantize(random_weight(40, 256), 32).kernel_weight is None
+    grouped = Int8Linear(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16, 2), None,
+                         torch.float32)
+    assert grouped.packed_max_rows == 0
+
+
+def test_embedding_looks_up_dequantized_rows() -> None:
+    layer = Int4Linear.quantize(random_weight(64, 576), 128)
+    embedding = QuantizedEmbedding(layer, torch.bfloat16)
+    ids = torch.tensor([5, 0, 5, 63])
+    assert torch.equal(embedding(ids), layer.dequantize()[ids].to(torch.bfloat16))
+
+
+# ---- GGUF blocks: the same numbers as the loader's float weights ------------------------------
+
+def gguf_blocks(values: np.ndarray, quant_type: GGMLType) -> GGUFBlocks:
+    raw = gguf.quants.quantize(values, quant_type)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[quant_type]
+    return GGUFBlocks(quant_type, torch.from_numpy(raw).view(len(values), -1, type_size))
+
+
+def dequantized(parts: list[tuple[np.ndarray, GGMLType]]) -> torch.Tensor:
+    return torch.cat([torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(v, t), t))
+                      for v, t in parts])
+
+
+@pytest.mark.parametrize("types", [(GGMLType.Q8_0,), (GGMLType.Q4_0,), (GGMLType.Q4_1,),
+                                   (GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q4_1)])
+def test_gguf_blocks_map_exactly(types: tuple[GGMLType, ...]) -> None:
+    rng = np.random.default_rng(0)
+    parts = [((rng.standard_normal((32, 128)) * 0.1).astype(np.float32), t) for t in types]
+    layer = gguf_linear([gguf_blocks(v, t) for v, t in parts], None, torch.float32,
+                        torch.device("cpu"))
+    expected = dequantized(parts)
+    assert torch.equal(layer.dequantize(), expected)
+    x = torch.randn(5, 128)
+    assert torch.equal(layer(x), F.linear(x, expected))
+    assert layer.packed_max_rows == 0
+
+
+def test_gguf_types_without_an_exact_map_stay_float() -> None:
+    values = np.ones((32, 64), np.float32)
+    assert gguf_linear([gguf_blocks(values, GGMLType.F16)], None, torch.float32,
+                       torch.device("cpu")) is None
+    mixed = [gguf_blocks(values, GGMLType.Q8_0), gguf_blocks(values, GGMLType.Q4_0)]
+    assert gguf_linear(mixed, None, torch.float32, torch.device("cpu")) is None
+
+
+@pytest.fixture(scope="module")
+def gguf_llm(make_llm):
+    return make_llm(quantization="gguf")
+
+
+def test_gguf_model_linear_outputs_equal_the_float_model(gguf_llm, llm_fp32) -> None:
+    quantized, reference = gguf_llm.engine.runner.model, llm_fp32.engine.runner.model
+    float_layers = [(n, m) for n, m in reference.named_modules() if isinstance(m, Linear)]
+    assert len(float_layers) == 30 * 4 + 1  # every product and the tied lm_head
+    generator = torch.Generator().manual_seed(0)
+    for name, float_layer in float_layers:
+        layer = quantized.get_submodule(name)  # Q4_1 -> int4, the lm_head's Q8_0 -> int8
+        assert isinstance(layer, QuantizedLinear), name
+        assert torch.equal(layer.dequantize(), float_layer.weight), name
+        for rows in (1, 7, 64):
+            x = torch.randn(rows, layer.in_features, generator=generator)
+            assert torch.equal(layer(x), float_layer(x)), (name, rows)
+    ids = torch.tensor([0, 17, 49151, 17])
+    assert quantized.embed_tokens.weight is quantized.lm_head  # tied: one quantized copy
+    assert torch.equal(quantized.embed_tokens(ids), reference.embed_tokens(ids))
+
+
+def test_gguf_model_generates_the_float_models_tokens_and_logprobs(gguf_llm, llm_fp32) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True)
+    [quantized] = gguf_llm.generate(["The capital of France is"], params)
+    [reference] = llm_fp32.generate(["The capital of France is"], params)
+    assert quantized.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert quantized.outputs[0].logprobs == reference.outputs[0].logprobs
+
+
+def test_model_memory_falls(gguf_llm, make_llm) -> None:
+    runner = gguf_llm.engine.runner
+    assert runner.float_model_bytes > 500 * 2**20  # 135M float32 weights
+    # Q4_1: 4 bits and two float32 a 32-value group; Q8_0 embedding: a byte and a float32 a 32
+    assert runner.model_bytes < 0.3 * runner.float_model_bytes
+
+
+def test_quantization_options_are_validated() -> None:
+    with pytest.raises(ValueError, match="quantization='int3'"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="quant_group_size=48"):
+        EngineConfig(quantization="int4", quant_group_size=48)
+
+
+# ---- engine invariants on a quantized model ---------------------------------------------------
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized_llm(request, make_llm):
+    return make_llm(quantization=request.param, quant_group_size=128)
+
+
+def test_quantized_model_is_smaller(quantized_llm) -> None:
+    runner = quantized_llm.engine.runner
+    limit = {"int8": 0.32, "int4": 0.2}[quantized_llm.engine.config.quantization]
+    assert runner.model_bytes < limit * runner.float_model_bytes
+
+
+def test_quantized_batch_invariance(quantized_llm) -> None:
+    prompts = varied_prompts(4)
+    batched = token_ids(quantized_llm.generate(prompts, GREEDY, use_tqdm=False))
+    alone = [token_ids(quantized_llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+    assert batched == alone
+
+
+def test_quantized_prefix_cache_hit_keeps_output(quantized_llm) -> None:
+    prompt = SYSTEM_PROMPT[:300] + " Question: what are the support hours?"
+    [first] = quantized_llm.generate([prompt], GREEDY, use_tqdm=False)
+    [second] = quantized_llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert second.num_cached_tokens >= 48
+    assert token_ids([second]) == token_ids([first])
+
+
+def test_quantized_preemption_keeps_output(quantized_llm, make_llm) -> None:
+    prompts = varied_prompts(4)
+    reference = token_ids(quantized_llm.generate(prompts, GREEDY, use_tqdm=False))
+    config = quantized_llm.engine.config
+    small = make_llm(quantization=config.quantization, quant_group_size=config.quant_group_size,
+                     num_kv_blocks=6, block_size=16)
+    outputs = small.generate(prompts, GREEDY, use_tqdm=False)
+    assert small.engine.stats().num_preemptions >= 1
+    assert token_ids(outputs) == reference
+    assert small.engine.stats().num_kv_blocks_used == 0
