@@ -1,4 +1,4 @@
-"""The `tokenmill` command: generate (and, as they land, serve and bench).
+"""The `tokenmill` command: generate and serve (and, as it lands, bench).
 
 Engine flags are derived from EngineConfig's fields, so a new option appears on every command at
 once. Errors print one line and exit with status 2; they never show a traceback.
@@ -69,6 +69,20 @@ def _generate(args: argparse.Namespace) -> None:
     sys.stdout.write("\n")
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from tokenmill.server.api import ServerSettings
+    from tokenmill.server.auth import ApiKeys
+    from tokenmill.server.launcher import serve
+
+    config = engine_config_from_args(args)
+    settings = ServerSettings(model_name=args.served_model_name or config.model,
+                              api_keys=ApiKeys.parse(args.api_key),
+                              max_waiting_requests=args.max_waiting_requests,
+                              shutdown_timeout=args.shutdown_timeout,
+                              log_interval=args.log_interval)
+    serve(config, args.host, args.port, settings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +98,21 @@ def build_parser() -> argparse.ArgumentParser:
                      help="wrap the prompt in the model's chat template")
     add_engine_args(gen)
     gen.set_defaults(handler=_generate)
+
+    srv = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv.add_argument("--host", default="127.0.0.1", help="use 0.0.0.0 to listen on every interface")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", help="one API key, or a file of 'key tenant' lines (tenants "
+                     "get separate prefix caches)")
+    srv.add_argument("--served-model-name", help="the model name clients send (default: MODEL)")
+    srv.add_argument("--max-waiting-requests", type=int, default=256,
+                     help="answer 503 while this many requests wait for a first schedule")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds running requests get to finish on Ctrl-C or SIGTERM")
+    srv.add_argument("--log-interval", type=float, default=5.0,
+                     help="seconds between stats log lines")
+    add_engine_args(srv, positional_model=True)
+    srv.set_defaults(handler=_serve)
     return parser
 
 
