@@ -223,3 +223,19 @@ def test_prompt_logprobs_match_a_full_forward(make_llm, hf_smollm):
             top_ids = expected.topk(2).indices.tolist()
             assert set(top_ids) <= set(entry) and len(entry) <= 3
     assert again.num_cached_tokens == 0
+
+
+def test_requests_arriving_with_a_shared_prefix_wait_for_the_one_computing_it(make_llm):
+    questions = ["How do backups work?", "What are the support hours?",
+                 "How is storage billed?", "Which instance sizes exist?"]
+    conversations = [[{"role": "system", "content": SYSTEM_PROMPT},
+                      {"role": "user", "content": q}] for q in questions]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    reference = token_ids(make_llm(enable_prefix_caching=False).chat(conversations, params))
+    llm = make_llm()
+    outputs = llm.chat(conversations, params)  # all four arrive together, in one step's budget
+    assert token_ids(outputs) == reference
+    assert outputs[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens >= 192 for o in outputs[1:])  # computed once, not four times
+    assert llm.engine.stats().prompt_tokens_total == sum(
+        len(o.prompt_token_ids) - o.num_cached_tokens for o in outputs)

@@ -107,7 +107,7 @@ class KVCacheManager:
         found = []
         max_blocks = (request.num_tokens - 1) // self.block_size
         for index in range(max_blocks):
-            block = self.pool.lookup(self._block_key(request, index))
+            block = self.pool.lookup(self.block_key(request, index))
             if block is None:
                 break
             found.append(block)
@@ -136,7 +136,7 @@ class KVCacheManager:
         num_full = request.num_computed_tokens // self.block_size
         for index in range(request.num_committed_blocks, num_full):
             block = self.pool.blocks[request.block_ids[index]]
-            self.pool.register(block, self._block_key(request, index))
+            self.pool.register(block, self.block_key(request, index))
         request.num_committed_blocks = max(request.num_committed_blocks, num_full)
 
     def free(self, request: Request) -> None:
@@ -144,7 +144,7 @@ class KVCacheManager:
         request.block_ids = []
         request.num_committed_blocks = 0
 
-    def _block_key(self, request: Request, index: int) -> BlockKey:
+    def block_key(self, request: Request, index: int) -> BlockKey:
         start = index * self.block_size
         tokens = tuple(request.token_at(i) for i in range(start, start + self.block_size))
         hashes = request.block_hashes

@@ -4,7 +4,9 @@ There are no prefill and decode phases. Each request's `num_computed_tokens` cat
 token count under one per-step budget, running requests first, then waiting ones in arrival
 order. That one rule gives continuous batching, chunked prefill and prefix-cache reuse. When the
 pool runs dry the newest running request is preempted: its blocks are freed and it is recomputed
-later from its tokens, so its output does not change.
+later from its tokens, so its output does not change. A waiting request whose next prefix block
+a running request is computing right now waits for it (it hits the cache a step later) instead of
+computing the same tokens beside it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from dataclasses import dataclass, field
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
+
+# A shorter shared run (a chat template's default system prompt) costs less to recompute beside
+# the request computing it than a step of waiting would.
+MIN_SHARED_BLOCKS_TO_WAIT = 4
 
 
 @dataclass(slots=True)
@@ -74,12 +80,18 @@ class Scheduler:
                 continue
             break
         # A preemption means the pool is tight: admitting new work now would only thrash.
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and not out.preempted \
                 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             # Prompt logprobs need every prompt position computed, so such a request never hits.
-            cached = [] if request.sampling_params.prompt_logprobs is not None \
-                else self.kv_cache.find_cached_prefix(request)
+            if request.sampling_params.prompt_logprobs is not None:
+                cached = []
+            else:
+                cached = self.kv_cache.find_cached_prefix(request)
+                if self._computed_elsewhere(request, len(cached)):
+                    deferred.append(self.waiting.popleft())
+                    continue
             num_cached = len(cached) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate(request, num_new, cached):
@@ -94,7 +106,26 @@ class Scheduler:
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(deferred))
         return out
+
+    def _computed_elsewhere(self, request: Request, index: int) -> bool:
+        """A running request is computing prefix blocks `index`, `index + 1`, ... that `request`
+        would compute next, for at least MIN_SHARED_BLOCKS_TO_WAIT blocks. Waiting one step for
+        them turns a recompute into a cache hit."""
+        if not self.kv_cache.enable_prefix_caching:
+            return False
+        key, bs = self.kv_cache.block_key, self.kv_cache.block_size
+        for other in self.running:
+            if not other.num_committed_blocks <= index < len(other.block_ids):
+                continue  # it is not computing that block right now
+            end = min(other.num_prompt_tokens, request.num_tokens - 1) // bs
+            shared = index
+            while shared < end and key(request, shared) == key(other, shared):
+                shared += 1
+                if shared - index >= MIN_SHARED_BLOCKS_TO_WAIT:
+                    return True
+        return False
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
