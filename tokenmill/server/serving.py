@@ -3,21 +3,19 @@ SSE stream out.
 
 Each request is checked (model, queue room, context length, parameters) before it reaches the
 engine, so a bad one costs the engine nothing. Streams send deltas of the engine's cumulative
-outputs. The engine streams sit in an AsyncExitStack, so a client that goes away, streaming or
-not, aborts its requests at once and their KV blocks go back to the pool.
+outputs; tokenmill/server/streaming.py owns the engine streams, so a client that goes away,
+streaming or not, aborts its requests at once and their KV blocks go back to the pool.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import copy
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from tokenmill.engine.async_engine import AsyncEngine, EngineStoppedError, RequestStream
 from tokenmill.engine.engine import LLMEngine
@@ -28,8 +26,9 @@ from tokenmill.server.protocol import (AssistantMessage, ChatChoice, ChatChunkCh
                                        ChatCompletionChunk, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatLogprobs, CompletionChoice,
                                        CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                       DeltaMessage, ErrorResponse, PromptTokensDetails,
-                                       TokenLogprob, TopLogprob, Usage)
+                                       DeltaMessage, PromptTokensDetails, TokenLogprob,
+                                       TopLogprob, Usage)
+from tokenmill.server.streaming import error_event, event, final_outputs, merge, owned, sse
 
 RETRY_AFTER_SECONDS = "1"
 
@@ -111,8 +110,8 @@ class OpenAIServing:
         streams = await self._submit("cmpl", raw_prompts, prompts, params, salt)
         request_id = streams[0].request_id.rpartition("-")[0]
         if request.stream:
-            return _sse(self._completion_events(request_id, request, streams, prompts))
-        outputs = await _final_outputs(streams, raw)
+            return sse(self._completion_events(request_id, request, streams, prompts))
+        outputs = await final_outputs(streams, raw)
         choices = [self._completion_choice(index * params.n + c.index, output, c, request,
                                            prompts[index], _Sent())
                    for index, output in enumerate(outputs) for c in output.outputs]
@@ -131,8 +130,8 @@ class OpenAIServing:
         streams = await self._submit("chatcmpl", [text], [prompt], params, salt)
         request_id = streams[0].request_id.rpartition("-")[0]
         if request.stream:
-            return _sse(self._chat_events(request_id, request, streams[0]))
-        [output] = await _final_outputs(streams, raw)
+            return sse(self._chat_events(request_id, request, streams[0]))
+        [output] = await final_outputs(streams, raw)
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
                               logprobs=self._chat_logprobs(c, request.top_logprobs or 0, 0),
                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
@@ -210,10 +209,10 @@ class OpenAIServing:
         n = request.n
         sent = [_Sent() for _ in range(len(streams) * n)]
         final: dict[int, RequestOutput] = {}
-        async with _owned(streams):
-            async for index, output in _merge(streams):
+        async with owned(streams):
+            async for index, output in merge(streams):
                 if output.error:
-                    yield _error_event(output.error)
+                    yield error_event(output.error)
                     return
                 choices = []
                 for completion in output.outputs:
@@ -229,11 +228,11 @@ class OpenAIServing:
                     if choice.text or choice.finish_reason or choice.logprobs:
                         choices.append(choice)
                 if choices:
-                    yield _event(CompletionResponse(id=request_id, model=self.model_name,
+                    yield event(CompletionResponse(id=request_id, model=self.model_name,
                                                     choices=choices))
                 final[index] = output
         if request.include_usage:
-            yield _event(CompletionResponse(id=request_id, model=self.model_name, choices=[],
+            yield event(CompletionResponse(id=request_id, model=self.model_name, choices=[],
                                             usage=_usage([final[i] for i in sorted(final)])))
         yield "data: [DONE]\n\n"
 
@@ -257,18 +256,18 @@ class OpenAIServing:
     async def _chat_events(self, request_id: str, request: ChatCompletionRequest,
                            stream: RequestStream) -> AsyncIterator[str]:
         def chunk(choices: list[ChatChunkChoice]) -> str:
-            return _event(ChatCompletionChunk(id=request_id, model=self.model_name,
+            return event(ChatCompletionChunk(id=request_id, model=self.model_name,
                                               choices=choices))
 
         sent = [_Sent() for _ in range(request.n)]
         output = None
-        async with _owned([stream]):
+        async with owned([stream]):
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                      content=""))
                          for i in range(request.n)])
-            async for _, output in _merge([stream]):
+            async for _, output in merge([stream]):
                 if output.error:
-                    yield _error_event(output.error)
+                    yield error_event(output.error)
                     return
                 choices = []
                 for completion, progress in zip(output.outputs, sent):
@@ -287,7 +286,7 @@ class OpenAIServing:
                 if choices:
                     yield chunk(choices)
         if request.include_usage and output is not None:
-            yield _event(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],
+            yield event(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],
                                              usage=_usage([output])))
         yield "data: [DONE]\n\n"
 
@@ -305,76 +304,3 @@ def _usage(outputs: list[RequestOutput]) -> Usage:
                  total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(
                      cached_tokens=sum(o.num_cached_tokens for o in outputs)))
-
-
-def _event(model) -> str:
-    return f"data: {model.model_dump_json()}\n\n"
-
-
-def _error_event(message: str) -> str:
-    error = APIError(500, message, type="internal_server_error", code="engine_error")
-    return f"data: {ErrorResponse(error=error.info).model_dump_json()}\n\ndata: [DONE]\n\n"
-
-
-def _sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
-
-
-@contextlib.asynccontextmanager
-async def _owned(streams: list[RequestStream]):
-    """Abort every stream not finished when the block exits (error, cancel, client gone)."""
-    async with contextlib.AsyncExitStack() as stack:
-        for stream in streams:
-            await stack.enter_async_context(stream)
-        yield
-
-
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(stream index, output) from several streams, in the order they arrive."""
-    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                index = pending.pop(task)
-                output = task.result()
-                yield index, output
-                if not output.finished:
-                    pending[asyncio.ensure_future(anext(streams[index]))] = index
-    finally:
-        for task in pending:
-            task.cancel()
-
-
-async def _final_outputs(streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
-    """The finished outputs, in order; a client that disconnects first aborts them all."""
-    async def collect() -> list[RequestOutput]:
-        last: dict[int, RequestOutput] = {}
-        async for index, output in _merge(streams):
-            last[index] = output
-        return [last[i] for i in range(len(streams))]
-
-    async def disconnected() -> None:
-        while (await raw.receive())["type"] != "http.disconnect":
-            pass
-
-    async with _owned(streams):
-        work = asyncio.ensure_future(collect())
-        watch = asyncio.ensure_future(disconnected())
-        try:
-            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            work.cancel()  # no-op once done
-            watch.cancel()
-        if work not in done:
-            raise APIError(499, "the client closed the request", code="client_closed")
-        outputs = work.result()  # raises what the engine loop raised
-    for output in outputs:
-        if output.error:
-            raise APIError(500, output.error, type="internal_server_error", code="engine_error")
-        if any(c.finish_reason == "abort" for c in output.outputs):
-            raise APIError(503, "the request was aborted: the server is shutting down",
-                           type="server_overloaded")
-    return outputs
-
