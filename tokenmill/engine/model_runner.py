@@ -16,7 +16,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenmill.model.attention import (AttentionMetadata, PrefillChunk, causal_mask_with_prefix,
-                                       padding_mask)
+                                       decode_kernel_available, padding_mask)
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.sampler import Sampler, SamplerOutput, logprob_entries
@@ -82,6 +82,7 @@ class ModelRunner:
                     "for %d tokens", self.float_model_bytes / 2**20, str(self.dtype)[6:],
                     self.model_bytes / 2**20, config.quantization, self.kv_cache_bytes / 2**20,
                     self.kv_capacity_tokens)
+        self.use_decode_kernel = decode_kernel_available(self.device)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -155,13 +156,15 @@ class ModelRunner:
                 prefills.append(PrefillChunk(query_start, chunk.num_new_tokens, end,
                                              self._tensor(blocks[:num_blocks]), mask))
                 num_prefill_tokens += chunk.num_new_tokens
-        decode_block_tables = decode_mask = None
+        decode_block_tables = decode_seq_lens = decode_mask = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
-            decode_mask = padding_mask(self._tensor(decode_lens), width * bs, self.dtype)
+            decode_seq_lens = self._tensor(decode_lens)
+            if not self.use_decode_kernel:
+                decode_mask = padding_mask(decode_seq_lens, width * bs, self.dtype)
         meta = AttentionMetadata(self._tensor(slots), prefills, num_prefill_tokens,
-                                 decode_block_tables, decode_mask)
+                                 decode_block_tables, decode_seq_lens, decode_mask)
         return StepInputs(self._tensor(input_ids), self._tensor(positions), meta,
                           self._tensor(logits_indices), sampled, prompt_logprob_chunks)
 
