@@ -1,10 +1,10 @@
 """Packed int8/int4 CPU kernels against de-quantize + GEMM, per row count: where each path wins.
 
-For SmolLM2's and Qwen2.5-0.5B's projection shapes, each activation dtype and 1, 8, 64 and 256
-rows (tokens in a step) it times the float GEMM, `_weight_int8pack_mm`,
+For SmolLM2's and Qwen2.5-0.5B's projection shapes, each activation dtype and 1, 8, 64, 256 and
+1024 rows (tokens in a step) it times the float GEMM, `_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu` and the de-quantize paths of tokenmill.quant, and prints the
 largest row count at which the packed kernel still wins: CPU_PACKED_MAX_ROWS in
-tokenmill/quant/int{8,4}.py.
+tokenmill/quant/int{8,4}.py (a win at the largest count measured is taken as no limit).
 Run it on an otherwise idle machine: other processes on the cores move the crossover.
 
     python benchmarks/bench_quant_kernels.py
@@ -30,14 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from tokenmill.config import DTYPES  # noqa: E402
 from tokenmill.quant.int4 import Int4Linear  # noqa: E402
 from tokenmill.quant.int8 import Int8Linear  # noqa: E402
-from tokenmill.quant.linear import QuantizedLinear  # noqa: E402
+from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedLinear  # noqa: E402
 
 # (name, out_features, in_features): the fused products of a decoder layer, and SmolLM2's lm_head.
 SHAPES = (("smollm2.qkv", 960, 576), ("smollm2.o_proj", 576, 576),
           ("smollm2.gate_up", 3072, 576), ("smollm2.down", 576, 1536),
           ("smollm2.lm_head", 49152, 576), ("qwen0.5b.qkv", 1152, 896),
           ("qwen0.5b.gate_up", 9728, 896), ("qwen0.5b.down", 896, 4864))
-ALWAYS = 1 << 30
 
 
 def time_call(call: Callable[[], object], min_time: float) -> float:
@@ -54,7 +53,7 @@ def time_call(call: Callable[[], object], min_time: float) -> float:
 
 def paths(weight: torch.Tensor, group_size: int) -> dict[str, Callable[[torch.Tensor], object]]:
     def both(make: Callable[[int], QuantizedLinear], name: str) -> dict:
-        return {f"{name}_packed": make(ALWAYS), f"{name}_dequant": make(0)}
+        return {f"{name}_packed": make(NO_ROW_LIMIT), f"{name}_dequant": make(0)}
 
     return {"float": lambda x: F.linear(x, weight),
             **both(lambda rows: Int8Linear.quantize(weight, packed_max_rows=rows), "int8"),
@@ -64,7 +63,7 @@ def paths(weight: torch.Tensor, group_size: int) -> dict[str, Callable[[torch.Te
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", default="1,8,64,256")
+    parser.add_argument("--rows", default="1,8,64,256,1024")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")

@@ -21,10 +21,10 @@ from tokenmill.model.loader import GGUFBlocks
 from tokenmill.quant.gguf import gguf_linear
 from tokenmill.quant.int4 import Int4Linear
 from tokenmill.quant.int8 import Int8Linear
-from tokenmill.quant.linear import QuantizedEmbedding, QuantizedLinear
+from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedEmbedding, QuantizedLinear
 
 ROW_COUNTS = (1, 8, 64, 256)
-PACKED, DEQUANTIZE = 1 << 30, 0  # packed_max_rows forcing one path for every row count
+PACKED, DEQUANTIZE = NO_ROW_LIMIT, 0  # packed_max_rows forcing one path at every row count
 
 
 def random_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -75,9 +75,9 @@ def layers(weight: torch.Tensor, bias: torch.Tensor, packed_max_rows: int | None
 def test_quantized_linear_matches_float_reference(dtype: torch.dtype, path: int | None) -> None:
     weight, bias = random_weight(96, 576).to(dtype), torch.randn(96).to(dtype)
     tolerance = {torch.float32: 1e-4, torch.bfloat16: 5e-2}[dtype]
-    for layer in layers(weight, bias, path):
-        # The float reference: the layer's own de-quantized weight in a float GEMM.
-        reference_weight = layer.dequantize().to(dtype)
+    for layer, twin in zip(layers(weight, bias, path), layers(weight, bias, DEQUANTIZE)):
+        # The float reference: the same codes de-quantized, in a float GEMM.
+        reference_weight = twin.dequantize().to(dtype)
         for rows in ROW_COUNTS:
             x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(dtype)
             out = layer(x)
@@ -102,6 +102,14 @@ def test_dequantize_path_in_slices_equals_one_float_gemm() -> None:
     for rows in (1, 64):
         x = torch.randn(rows, 576)
         assert torch.equal(layer(x), F.linear(x, layer.dequantize(), layer.bias))
+
+
+def test_always_packed_int4_keeps_one_copy_of_its_codes() -> None:
+    weight = random_weight(64, 256)
+    packed = Int4Linear.quantize(weight, 32, packed_max_rows=PACKED)
+    assert packed.codes is None and packed.kernel_weight is not None
+    lookup = Int4Linear.quantize(weight, 32, packed_max_rows=PACKED, looks_up_rows=True)
+    assert torch.equal(lookup.dequantize(), Int4Linear.quantize(weight, 32).dequantize())
 
 
 def test_packed_path_is_skipped_where_the_kernel_cannot_run() -> None:
@@ -201,7 +209,7 @@ def test_quantization_options_are_validated() -> None:
 
 # ---- engine invariants on a quantized model ---------------------------------------------------
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def token_ids(outputs) -> list[list[int]]:
@@ -220,7 +228,7 @@ def test_quantized_model_is_smaller(quantized_llm) -> None:
 
 
 def test_quantized_batch_invariance(quantized_llm) -> None:
-    prompts = varied_prompts(4)
+    prompts = varied_prompts(3)
     batched = token_ids(quantized_llm.generate(prompts, GREEDY, use_tqdm=False))
     alone = [token_ids(quantized_llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
     assert batched == alone
@@ -235,11 +243,11 @@ def test_quantized_prefix_cache_hit_keeps_output(quantized_llm) -> None:
 
 
 def test_quantized_preemption_keeps_output(quantized_llm, make_llm) -> None:
-    prompts = varied_prompts(4)
+    prompts = varied_prompts(3)  # 5, 15 and 18 tokens: 5 blocks of 16 by the end, in a pool of 4
     reference = token_ids(quantized_llm.generate(prompts, GREEDY, use_tqdm=False))
     config = quantized_llm.engine.config
     small = make_llm(quantization=config.quantization, quant_group_size=config.quant_group_size,
-                     num_kv_blocks=6, block_size=16)
+                     num_kv_blocks=4, block_size=16)
     outputs = small.generate(prompts, GREEDY, use_tqdm=False)
     assert small.engine.stats().num_preemptions >= 1
     assert token_ids(outputs) == reference

@@ -3,8 +3,7 @@ model's bytes.
 
 Every `Linear` (the fused decoder products and the lm_head) and the embedding are swapped for
 quantized layers in place; a tied embedding looks its rows up in the lm_head's quantized weight.
-Norms, biases and the rotary table stay float. It never changes what the model computes beyond
-the weights' values, and never touches attention or the KV cache.
+Norms, biases and the rotary table stay float. It never touches attention or the KV cache.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from tokenmill.quant.int4 import Int4Linear
 from tokenmill.quant.int8 import Int8Linear
 from tokenmill.quant.linear import QuantizedEmbedding, QuantizedLinear
 
+
 def quantize_model(model: LlamaForCausalLM, quantization: str, group_size: int,
                    source: Path) -> None:
     """`source` is the model's file; the gguf mode reads its blocks again."""
@@ -35,7 +35,9 @@ def quantize_model(model: LlamaForCausalLM, quantization: str, group_size: int,
     tied = model.config.tie_word_embeddings
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
     for name, linear in linears:
-        quantized = _quantize(linear, quantization, group_size, blocks)
+        looks_up_rows = tied and linear is model.lm_head
+        quantized = _quantize(linear, quantization, group_size, blocks,
+                              looks_up_rows=looks_up_rows)
         if quantized is not None:
             model.set_submodule(name, quantized)
     dtype = model.norm.weight.dtype
@@ -50,13 +52,14 @@ def quantize_model(model: LlamaForCausalLM, quantization: str, group_size: int,
 
 
 def _quantize(linear: Linear, quantization: str, group_size: int,
-              blocks: dict[str, GGUFBlocks],
-              packed_max_rows: int | None = None) -> QuantizedLinear | None:
+              blocks: dict[str, GGUFBlocks], packed_max_rows: int | None = None,
+              looks_up_rows: bool = False) -> QuantizedLinear | None:
     """The quantized replacement of `linear`, or None where it stays float."""
     if quantization == "int8":
         return Int8Linear.quantize(linear.weight, linear.bias, packed_max_rows)
     if quantization == "int4":
-        return Int4Linear.quantize(linear.weight, group_size, linear.bias, packed_max_rows)
+        return Int4Linear.quantize(linear.weight, group_size, linear.bias, packed_max_rows,
+                                   looks_up_rows)
     return gguf_linear([blocks[source] for source in linear.sources], linear.bias,
                        linear.weight.dtype, linear.weight.device)
 

@@ -3,8 +3,8 @@ scale and min (the zero point, in weight units) for each group of `group_size` i
 
 Codes are stored two to a byte in GGUF's Q4_0/Q4_1 order: byte i of a group holds value i in its
 low nibble and value i + group_size / 2 in its high one, so GGUF blocks map on by slicing. A row
-whose length isn't a multiple of the group size (576 inputs in groups of 128) is padded; the
-padding only ever meets zero activations.
+whose length isn't a multiple of the group size (576 inputs in groups of 128) is padded to whole
+groups; the padding only ever meets zero inputs.
 """
 
 from __future__ import annotations
@@ -12,28 +12,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.quant.linear import QuantizedLinear
+from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedLinear
 
 # Rows up to which the packed int4 kernel beats de-quantize + GEMM, by activation dtype, on CPU;
 # measured by benchmarks/bench_quant_kernels.py (results/quant_kernels.json).
-# In float32 (and float16, not measured) this CPU's kernels don't vectorize and never win.
-CPU_PACKED_MAX_ROWS = {torch.float32: 0, torch.bfloat16: 256}
+# On AVX2 they only vectorize bfloat16 activations: in bfloat16 they won at every row count
+# measured (1 to 1024), in float32 (and float16, not measured) at none.
+CPU_PACKED_MAX_ROWS = {torch.float32: 0, torch.bfloat16: NO_ROW_LIMIT}
 
 
 class Int4Linear(QuantizedLinear):
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                  in_features: int, bias: torch.Tensor | None, dtype: torch.dtype,
-                 packed_max_rows: int | None = None) -> None:
+                 packed_max_rows: int | None = None, looks_up_rows: bool = False) -> None:
         """codes uint8 [out, padded_in / 2]; scales, mins float32 [out, padded_in / group_size];
         `dtype` the activations'. packed_max_rows None picks the measured crossover when a packed
-        kernel can run this shape."""
+        kernel can run this shape. `looks_up_rows`: it also serves as the (tied) embedding."""
         out_features = codes.shape[0]
         if packed_max_rows is None:
             packed_max_rows = _default_packed_max_rows(codes.device, dtype, out_features,
                                                        codes.shape[1] * 2)
-        super().__init__(out_features, in_features, bias, packed_max_rows)
+        super().__init__(out_features, in_features, codes.shape[1] * 2, bias, packed_max_rows)
         self.group_size = codes.shape[1] * 2 // scales.shape[1]
-        self.padded_in_features = codes.shape[1] * 2
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
@@ -42,10 +42,14 @@ class Int4Linear(QuantizedLinear):
             kernel_weight, kernel_scale_zeros = self._pack_for_kernel(dtype)
         self.register_buffer("kernel_weight", kernel_weight)
         self.register_buffer("kernel_scale_zeros", kernel_scale_zeros)
+        if packed_max_rows == NO_ROW_LIMIT and not looks_up_rows:
+            # Nothing will de-quantize: the kernel's copy of the codes is the only one needed.
+            self.codes = self.scales = self.mins = None
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
-                 packed_max_rows: int | None = None) -> "Int4Linear":
+                 packed_max_rows: int | None = None,
+                 looks_up_rows: bool = False) -> "Int4Linear":
         """Min/max per group, as GGUF's Q4_1; the error of each value is at most scale / 2."""
         out_features, in_features = weight.shape
         padding = -in_features % group_size
@@ -61,7 +65,8 @@ class Int4Linear(QuantizedLinear):
         levels = torch.round((groups - mins.unsqueeze(-1)) / steps).clamp(0, 15).to(torch.uint8)
         half = group_size // 2
         codes = (levels[..., :half] | (levels[..., half:] << 4)).view(out_features, -1)
-        return cls(codes, scales, mins, in_features, bias, weight.dtype, packed_max_rows)
+        return cls(codes, scales, mins, in_features, bias, weight.dtype, packed_max_rows,
+                   looks_up_rows)
 
     def unpacked_codes(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         """Codes one per byte, uint8 [rows, padded_in / group_size, group_size]."""
@@ -69,18 +74,18 @@ class Int4Linear(QuantizedLinear):
         grouped = codes.view(*codes.shape[:-1], -1, self.group_size // 2)
         return torch.cat((grouped & 0x0F, grouped >> 4), dim=-1)
 
-    def dequantize(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+    def dequantize_padded(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+        if self.codes is None:
+            raise RuntimeError("this layer keeps only the packed kernel's copy of its codes")
         scales, mins = (self.scales, self.mins) if rows is None \
             else (self.scales[rows], self.mins[rows])
         # Multiply, then add, as the loader's Q4_1 decoder does; in place, as each pass over the
         # matrix costs as much as the GEMM at one row (torch.addcmul would round differently,
         # and runs 30x slower with broadcast operands).
         values = self.unpacked_codes(rows).float().mul_(scales.unsqueeze(-1))
-        return values.add_(mins.unsqueeze(-1)).flatten(-2)[..., :self.in_features]
+        return values.add_(mins.unsqueeze(-1)).flatten(-2)
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.padded_in_features != self.in_features:
-            x = F.pad(x, (0, self.padded_in_features - self.in_features))
         if x.is_cuda:
             return torch.ops.aten._weight_int4pack_mm(x, self.kernel_weight, self.group_size,
                                                       self.kernel_scale_zeros)
@@ -105,7 +110,7 @@ def _default_packed_max_rows(device: torch.device, dtype: torch.dtype, out_featu
                              padded_in_features: int) -> int:
     if device.type == "cuda":  # tinygemm takes bfloat16 only and K in whole 16-wide tiles
         ok = dtype == torch.bfloat16 and _inner_k_tiles(padded_in_features) > 0
-        return 1 << 30 if ok else 0
+        return NO_ROW_LIMIT if ok else 0
     # The CPU packing works on 16-row blocks of the output.
     return CPU_PACKED_MAX_ROWS.get(dtype, 0) if out_features % 16 == 0 else 0
 

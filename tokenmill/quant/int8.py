@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.quant.linear import QuantizedLinear
+from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedLinear
 
 # Rows up to which `_weight_int8pack_mm` beats de-quantize + GEMM, by activation dtype, on CPU;
 # measured by benchmarks/bench_quant_kernels.py (results/quant_kernels.json).
-# In float32 (and float16, not measured) this CPU's kernels don't vectorize and never win.
-CPU_PACKED_MAX_ROWS = {torch.float32: 0, torch.bfloat16: 256}
+# On AVX2 they only vectorize bfloat16 activations: in bfloat16 they won at every row count
+# measured (1 to 1024), in float32 (and float16, not measured) at none.
+CPU_PACKED_MAX_ROWS = {torch.float32: 0, torch.bfloat16: NO_ROW_LIMIT}
 
 
 class Int8Linear(QuantizedLinear):
@@ -28,8 +29,8 @@ class Int8Linear(QuantizedLinear):
         per_channel = scales.shape[1] == 1
         if packed_max_rows is None:
             packed_max_rows = (CPU_PACKED_MAX_ROWS.get(dtype, 0) if codes.device.type == "cpu"
-                               else 1 << 30) if per_channel else 0
-        super().__init__(out_features, in_features, bias, packed_max_rows)
+                               else NO_ROW_LIMIT) if per_channel else 0
+        super().__init__(out_features, in_features, in_features, bias, packed_max_rows)
         self.group_size = in_features // scales.shape[1]
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
@@ -46,7 +47,7 @@ class Int8Linear(QuantizedLinear):
         codes = torch.round(weight.float() / steps).clamp(-127, 127).to(torch.int8)
         return cls(codes, scales, bias, weight.dtype, packed_max_rows)
 
-    def dequantize(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+    def dequantize_padded(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         codes, scales = (self.codes, self.scales) if rows is None \
             else (self.codes[rows], self.scales[rows])
         grouped = codes.view(*codes.shape[:-1], -1, self.group_size).float()

@@ -6,45 +6,59 @@ It never quantizes anything itself; int8.py and int4.py own their formats.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+# packed_max_rows of a layer whose packed kernel wins at every row count.
+NO_ROW_LIMIT = sys.maxsize
 # Bytes of float32 weights de-quantized at a time on the de-quantize path: on SmolLM2's lm_head
 # and Qwen2.5's MLP, 1 to 4 MiB ran 1.5 to 4x faster than the whole matrix, 256 KiB paid for
 # its Python loop.
 DEQUANTIZE_CHUNK_BYTES = 2 << 20
 
+
 class QuantizedLinear(nn.Module):
     """y = x W^T + b with W held quantized; a subclass says how to de-quantize and pack it.
 
     `packed_max_rows` is the largest row count (tokens in the step) that runs the packed kernel;
-    more rows de-quantize W and use the float GEMM, which wins once the product is compute-bound
-    (benchmarks/bench_quant_kernels.py measures where). 0 means never packed: the de-quantize
-    path computes exactly what the float model computes from the same weights.
+    more rows de-quantize W and use the float GEMM (benchmarks/bench_quant_kernels.py measures
+    which wins where). 0 means never packed: the de-quantize path computes exactly what the
+    float model computes from the same weights.
     """
 
-    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None,
-                 packed_max_rows: int) -> None:
+    def __init__(self, out_features: int, in_features: int, padded_in_features: int,
+                 bias: torch.Tensor | None, packed_max_rows: int) -> None:
+        """W may be stored padded to whole quantization groups, `padded_in_features` wide; inputs
+        are then padded with zeros to match, so the padding adds nothing."""
         super().__init__()
         self.out_features = out_features
         self.in_features = in_features
+        self.padded_in_features = padded_in_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.packed_max_rows = packed_max_rows
 
-    def dequantize(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
-        """W (or only W[rows]) as float32 [rows, in_features]."""
+    def dequantize_padded(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """W (or only W[rows]) as float32 [rows, padded_in_features]."""
         raise NotImplementedError
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, in_features] @ W^T by the packed kernel, without the bias."""
+        """x [rows, padded_in_features] @ W^T by the packed kernel, without the bias."""
         raise NotImplementedError
+
+    def dequantize(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """W (or only W[rows]) as float32 [rows, in_features]."""
+        return self.dequantize_padded(rows)[..., :self.in_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        if self.padded_in_features != self.in_features:
+            x = F.pad(x, (0, self.padded_in_features - self.in_features))
         if rows > self.packed_max_rows:
             return self._dequantized_matmul(x)
-        out = self.packed_matmul(x.reshape(rows, self.in_features))
+        out = self.packed_matmul(x.reshape(rows, self.padded_in_features))
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
@@ -54,12 +68,12 @@ class QuantizedLinear(nn.Module):
         # from the heap and still in cache when the GEMM reads it. Slices start at multiples of
         # 64 outputs, so every output keeps its SIMD lane and its sum: the result equals one
         # F.linear bit for bit (slices of 910 rows did not, at one row).
-        step = max(64, DEQUANTIZE_CHUNK_BYTES // (4 * self.in_features) // 64 * 64)
+        step = max(64, DEQUANTIZE_CHUNK_BYTES // (4 * self.padded_in_features) // 64 * 64)
         outputs = []
         for start in range(0, self.out_features, step):
             rows = slice(start, start + step)
             bias = None if self.bias is None else self.bias[rows]
-            outputs.append(F.linear(x, self.dequantize(rows).to(x.dtype), bias))
+            outputs.append(F.linear(x, self.dequantize_padded(rows).to(x.dtype), bias))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
 
