@@ -8,6 +8,7 @@ import torch
 from tokenmill.kernels import cpu_kernels
 from tokenmill.model.attention import (AttentionMetadata, PagedAttention, PrefillChunk,
                                        causal_mask_with_prefix, padding_mask)
+from tokenmill.model.kv_int8 import SCALE_BYTES, dequantize_rows, quantize_rows
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
 
@@ -22,9 +23,14 @@ def dense_attention(q, k, v, causal_offset):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def scattered_cache(seqs, dtype, num_blocks=64):
-    """Write each sequence's K/V into shuffled blocks; return caches and block tables."""
-    k_cache = torch.zeros(num_blocks, BLOCK, KV_HEADS, DIM, dtype=dtype)
+def scattered_cache(seqs, dtype, num_blocks=64, int8=False):
+    """Write each sequence's K/V into shuffled blocks; return caches and block tables.
+
+    int8: the cache holds kv_int8 rows (codes and a scale) instead of `dtype` values."""
+    if int8:
+        seqs = [(quantize_rows(k), quantize_rows(v)) for k, v in seqs]
+    k_cache = torch.zeros(num_blocks, BLOCK, KV_HEADS, DIM + SCALE_BYTES * int8,
+                          dtype=torch.int8 if int8 else dtype)
     v_cache = torch.zeros_like(k_cache)
     free = torch.randperm(num_blocks).tolist()
     tables = []
@@ -90,3 +96,92 @@ def test_fresh_prefill_is_causal_self_attention():
     out = PagedAttention(HEADS, KV_HEADS, DIM).forward(q, k, v, k_cache, v_cache, meta)
     torch.testing.assert_close(out, dense_attention(q, k, v, 0), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_cache.flatten(0, 1)[:n], k)  # K/V written into their slots
+
+
+# ---- the int8 KV cache ------------------------------------------------------------------------
+
+def test_int8_rows_round_trip_within_half_a_step():
+    torch.manual_seed(3)
+    x = torch.randn(7, KV_HEADS, DIM) * torch.logspace(-3, 2, 7).view(7, 1, 1)
+    x[0, 0] = 0.0  # an all-zero row comes back exactly
+    rows = quantize_rows(x)
+    assert rows.dtype == torch.int8 and rows.shape == (7, KV_HEADS, DIM + SCALE_BYTES)
+    scales = x.abs().amax(dim=-1, keepdim=True) / 127
+    restored = dequantize_rows(rows, torch.float32)
+    assert ((restored - x).abs() <= scales / 2 * (1 + 1e-6)).all()
+    assert torch.equal(restored[0, 0], x[0, 0])
+    assert torch.equal(dequantize_rows(torch.zeros(2, DIM + SCALE_BYTES, dtype=torch.int8),
+                                       torch.bfloat16), torch.zeros(2, DIM, dtype=torch.bfloat16))
+
+
+def int8_decode_case(dtype):
+    torch.manual_seed(4)
+    lens = [1, 5, 17, 32]
+    seqs = [(torch.randn(n, KV_HEADS, DIM).to(dtype), torch.randn(n, KV_HEADS, DIM).to(dtype))
+            for n in lens]
+    k_cache, v_cache, tables = scattered_cache(seqs, dtype, int8=True)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(len(lens), HEADS, DIM).to(dtype)
+    return lens, seqs, k_cache, v_cache, block_tables, q
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_decode_matches_dense_reference(use_kernel, dtype):
+    """Against dense attention over the de-quantized K/V (tight: the same numbers) and over the
+    original K/V (loose: what int8 costs)."""
+    if use_kernel and cpu_kernels() is None:
+        pytest.skip("no C++ compiler here")
+    lens, seqs, k_cache, v_cache, block_tables, q = int8_decode_case(dtype)
+    seq_lens = torch.tensor(lens)
+    mask = None if use_kernel else padding_mask(seq_lens, block_tables.shape[1] * BLOCK, dtype)
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), [], 0, block_tables, seq_lens, mask)
+    out = PagedAttention(HEADS, KV_HEADS, DIM)._decode(q, k_cache, v_cache, meta).float()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (k, v) in enumerate(seqs):
+        k_read = dequantize_rows(quantize_rows(k), torch.float32)
+        v_read = dequantize_rows(quantize_rows(v), torch.float32)
+        expected = dense_attention(q[i:i + 1].float(), k_read, v_read, lens[i] - 1)
+        torch.testing.assert_close(out[i:i + 1], expected, atol=tolerance, rtol=tolerance)
+        unquantized = dense_attention(q[i:i + 1].float(), k.float(), v.float(), lens[i] - 1)
+        torch.testing.assert_close(out[i:i + 1], unquantized, atol=5e-2, rtol=5e-2)
+
+
+def test_int8_decode_kernel_matches_fallback():
+    if cpu_kernels() is None:
+        pytest.skip("no C++ compiler here")
+    lens, _, k_cache, v_cache, block_tables, q = int8_decode_case(torch.float32)
+    seq_lens = torch.tensor(lens)
+    attn = PagedAttention(HEADS, KV_HEADS, DIM)
+    kernel = attn._decode(q, k_cache, v_cache, AttentionMetadata(
+        torch.empty(0, dtype=torch.long), [], 0, block_tables, seq_lens, None))
+    fallback = attn._decode(q, k_cache, v_cache, AttentionMetadata(
+        torch.empty(0, dtype=torch.long), [], 0, block_tables, seq_lens,
+        padding_mask(seq_lens, block_tables.shape[1] * BLOCK, torch.float32)))
+    torch.testing.assert_close(kernel, fallback, atol=1e-6, rtol=1e-6)
+
+
+def test_int8_prefill_attends_to_what_the_cache_holds():
+    """A fresh prefill writes int8 rows and attends to their de-quantized values, so a later
+    chunk over the cached prefix sees the same K/V: both equal dense attention over them."""
+    torch.manual_seed(5)
+    n, tail = 11, 4
+    q, k, v = torch.randn(n, HEADS, DIM), torch.randn(n, KV_HEADS, DIM), torch.randn(
+        n, KV_HEADS, DIM)
+    k_cache = torch.zeros(8, BLOCK, KV_HEADS, DIM + SCALE_BYTES, dtype=torch.int8)
+    v_cache = torch.zeros_like(k_cache)
+    attn = PagedAttention(HEADS, KV_HEADS, DIM)
+    table = torch.tensor([5, 2, 7])
+    slots = torch.tensor([int(table[t // BLOCK]) * BLOCK + t % BLOCK for t in range(n)])
+    whole = attn.forward(q, k, v, k_cache, v_cache, AttentionMetadata(
+        slots, [PrefillChunk(0, n, n, table, None)], n, None, None, None))
+    k_read = dequantize_rows(quantize_rows(k), torch.float32)
+    v_read = dequantize_rows(quantize_rows(v), torch.float32)
+    torch.testing.assert_close(whole, dense_attention(q, k_read, v_read, 0), atol=1e-5, rtol=1e-5)
+    assert torch.equal(dequantize_rows(k_cache[table].flatten(0, 1)[:n], torch.float32), k_read)
+    chunk = PrefillChunk(0, tail, n, table, causal_mask_with_prefix(tail, n, torch.float32,
+                                                                    q.device))
+    last = attn.forward(q[-tail:], k[-tail:], v[-tail:], k_cache, v_cache, AttentionMetadata(
+        slots[-tail:], [chunk], tail, None, None, None))
+    torch.testing.assert_close(last, whole[-tail:], atol=1e-6, rtol=1e-6)

@@ -12,6 +12,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: tokenmill/model/kv_int8.py
 
 
 @dataclass(slots=True)
@@ -31,6 +32,7 @@ class EngineConfig:
     debug_checks: bool = False  # assert block accounting after every step
     quantization: str = "none"  # weights: none, int8 (per channel), int4 (grouped), gguf (own)
     quant_group_size: int = 128  # inputs per int4 scale and zero point
+    kv_cache_dtype: str = "auto"  # int8: a scale per token and head, about twice the tokens
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", *DTYPES), "dtype", self.dtype,
@@ -50,6 +52,8 @@ class EngineConfig:
                f"must be one of {', '.join(QUANTIZATIONS)}")
         _check(self.quant_group_size in (32, 64, 128), "quant_group_size", self.quant_group_size,
                "must be 32, 64 or 128")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
+               f"must be one of {', '.join(KV_CACHE_DTYPES)}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":

@@ -1,8 +1,9 @@
 """ModelRunner: turns a scheduled batch into tensors, runs the model, samples.
 
 It owns the device side: the model weights and the KV pool tensors (one K and one V tensor per
-layer, [num_blocks, block_size, num_kv_heads, head_dim]). It reads requests but never changes
-them; the engine applies the sampled tokens and the prompt logprobs.
+layer, [num_blocks, block_size, num_kv_heads, row]: a row is head_dim values, or the int8 codes
+and scale of tokenmill/model/kv_int8.py). It reads requests but never changes them; the engine
+applies the sampled tokens and the prompt logprobs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenmill.model.attention import (AttentionMetadata, PrefillChunk, causal_mask_with_prefix,
                                        decode_kernel_available, padding_mask)
+from tokenmill.model.kv_int8 import cache_row
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.sampler import Sampler, SamplerOutput, logprob_entries
@@ -66,22 +68,23 @@ class ModelRunner:
         self.model_bytes = model_bytes(self.model)
         self.sampler = Sampler(config.seed)
         mc = loaded.config
-        bytes_per_token = mc.kv_bytes_per_token_per_dtype_byte * self.dtype.itemsize
+        row_width, cache_dtype = cache_row(mc.head_dim, self.dtype, config.kv_cache_dtype)
+        bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * row_width * cache_dtype.itemsize
         if config.num_kv_blocks is not None:
             self.num_blocks = config.num_kv_blocks
         else:
             gib = config.kv_cache_memory or DEFAULT_KV_CACHE_GIB
             self.num_blocks = max(1, int(gib * 2**30) // (bytes_per_token * self.block_size))
-        shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (self.num_blocks, self.block_size, mc.num_kv_heads, row_width)
         # Zeros, not empty: padded decode slots are masked, but 0 * NaN would still be NaN.
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=cache_dtype, device=self.device),
+                           torch.zeros(shape, dtype=cache_dtype, device=self.device))
                           for _ in range(mc.num_layers)]
         self.kv_cache_bytes = 2 * mc.num_layers * self.kv_caches[0][0].nbytes
         logger.info("weights: %.1f MiB in %s, %.1f MiB with quantization=%s; KV cache: %.1f MiB "
-                    "for %d tokens", self.float_model_bytes / 2**20, str(self.dtype)[6:],
+                    "in %s for %d tokens", self.float_model_bytes / 2**20, str(self.dtype)[6:],
                     self.model_bytes / 2**20, config.quantization, self.kv_cache_bytes / 2**20,
-                    self.kv_capacity_tokens)
+                    str(cache_dtype)[6:], self.kv_capacity_tokens)
         self.use_decode_kernel = decode_kernel_available(self.device)
 
     @property

@@ -1,13 +1,15 @@
 """Hand-written CPU kernels, compiled on first use with torch's C++ extension builder.
 
 The build is cached (TORCH_EXTENSIONS_DIR), so only the first process on a machine pays the
-compile. When no compiler is available the callers fall back to plain PyTorch ops, which give
+compile; the module's name carries a hash of the source, so checkouts with different sources never
+load or overwrite each other's build. When no compiler is available the callers fall back to plain PyTorch ops, which give
 the same results more slowly.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 from types import ModuleType
@@ -21,7 +23,8 @@ def cpu_kernels() -> ModuleType | None:
 
     source = (Path(__file__).parent / "paged_attention.cpp").read_text()
     try:
-        return load_inline(name="tokenmill_cpu_kernels", cpp_sources=[source],
+        digest = hashlib.sha256(source.encode()).hexdigest()[:12]
+        return load_inline(name=f"tokenmill_cpu_kernels_{digest}", cpp_sources=[source],
                            functions=["paged_decode_attention"],
                            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"])
     except Exception as error:  # no compiler or headers: the PyTorch path still works

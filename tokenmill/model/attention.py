@@ -4,6 +4,7 @@ One step's tokens are laid out flat: the prefill chunks first (one per sequence,
 the decode tokens (one per sequence). `AttentionMetadata` is built once per step by the model
 runner and shared by every layer. This module never allocates or frees blocks; it only reads and
 writes the slots it is given. A GPU backend replaces `PagedAttention.forward` and nothing else.
+An int8 cache (kv_int8.py) is written quantized and read de-quantized, by every path alike.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import cpu_kernels
+from tokenmill.model.kv_int8 import dequantize_rows, quantize_rows
 
 
 @dataclass(slots=True)
@@ -74,19 +76,27 @@ class PagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, H, D], k and v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]."""
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        """q [T, H, D], k and v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, row], where a
+        row is D values in the model's dtype, or D int8 codes and a scale (kv_int8.py)."""
+        cached_k, cached_v = k, v
+        if k_cache.dtype == torch.int8:
+            cached_k, cached_v = quantize_rows(torch.stack((k, v))).unbind()  # one pass for both
+            if meta.prefills:
+                # A fresh prefill attends to this step's K/V directly; give it what the cache
+                # holds, so that a later step (a prefix-cache hit, a recompute after preemption)
+                # reads these tokens back as exactly these values.
+                k, v = dequantize_rows(cached_k, q.dtype), dequantize_rows(cached_v, q.dtype)
+        k_cache.view(-1, *cached_k.shape[1:]).index_copy_(0, meta.slot_mapping, cached_k)
+        v_cache.view(-1, *cached_v.shape[1:]).index_copy_(0, meta.slot_mapping, cached_v)
         out = torch.empty_like(q)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             if chunk.mask is None:  # nothing cached before this chunk: attend to itself only
                 keys, values = k[rows], v[rows]
             else:
-                keys = k_cache[chunk.block_table].flatten(0, 1)[:chunk.context_len]
-                values = v_cache[chunk.block_table].flatten(0, 1)[:chunk.context_len]
+                keys = _read(k_cache[chunk.block_table], q.dtype).flatten(0, 1)[:chunk.context_len]
+                values = _read(v_cache[chunk.block_table], q.dtype).flatten(0, 1)[
+                    :chunk.context_len]
             out[rows] = self._prefill(q[rows], keys, values, chunk.mask)
         if meta.num_decodes:
             out[meta.num_prefill_tokens:] = self._decode(
@@ -111,9 +121,14 @@ class PagedAttention:
             return out.to(q.dtype)
         batch = q.shape[0]
         tables = meta.decode_block_tables
-        keys = k_cache[tables].flatten(1, 2).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
-        values = v_cache[tables].flatten(1, 2).permute(0, 2, 1, 3)
+        keys = _read(k_cache[tables], q.dtype).flatten(1, 2).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+        values = _read(v_cache[tables], q.dtype).flatten(1, 2).permute(0, 2, 1, 3)
         queries = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask,
                                              scale=self.scale)
         return out.reshape(batch, self.num_heads, self.head_dim)
+
+
+def _read(cached: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache blocks as values: int8 rows de-quantized, float ones as they are."""
+    return dequantize_rows(cached, dtype) if cached.dtype == torch.int8 else cached

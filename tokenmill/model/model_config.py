@@ -27,7 +27,3 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
-    @property
-    def kv_bytes_per_token_per_dtype_byte(self) -> int:
-        """K and V elements one token occupies across all layers (multiply by the element size)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim

@@ -1,0 +1,88 @@
+"""The int8 KV cache on the real SmolLM2 (fp32 compute): capacity, the engine's invariants, and
+closeness to the float cache.
+
+The layout and the attention paths are proven in test_attention.py; these tests prove that the
+engine's greedy output stays identical alone and batched, with a prefix-cache hit, after a
+preemption and with chunked prefill, when every token's K/V round-trips through int8.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.prompts import SYSTEM_PROMPT, varied_prompts
+from tokenmill import EngineConfig, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def llm_kv_int8(make_llm):
+    return make_llm(kv_cache_dtype="int8")
+
+
+def test_same_memory_holds_about_twice_the_tokens(make_llm) -> None:
+    options = dict(dtype="bfloat16", num_kv_blocks=None, kv_cache_memory=0.05)
+    float_runner = make_llm(**options).engine.runner
+    int8_runner = make_llm(kv_cache_dtype="int8", **options).engine.runner
+    # 64 bf16 values (128 bytes) against 64 codes and a float32 scale (68 bytes) a row
+    ratio = int8_runner.kv_capacity_tokens / float_runner.kv_capacity_tokens
+    assert ratio == pytest.approx(128 / 68, rel=0.01)
+    assert int8_runner.kv_cache_bytes <= 0.05 * 2**30
+    assert int8_runner.kv_caches[0][0].dtype.itemsize == 1
+
+
+def test_output_stays_close_to_the_float_cache(llm_kv_int8, llm_fp32) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, ignore_eos=True)
+    [quantized] = llm_kv_int8.generate(["The capital of France is"], params, use_tqdm=False)
+    [reference] = llm_fp32.generate(["The capital of France is"], params, use_tqdm=False)
+    assert quantized.outputs[0].token_ids[:4] == reference.outputs[0].token_ids[:4]
+    first_token = reference.outputs[0].token_ids[0]
+    assert quantized.outputs[0].logprobs[0][first_token] == pytest.approx(
+        reference.outputs[0].logprobs[0][first_token], abs=0.05)
+
+
+def test_batch_invariance(llm_kv_int8) -> None:
+    prompts = varied_prompts(6)
+    batched = token_ids(llm_kv_int8.generate(prompts, GREEDY, use_tqdm=False))
+    alone = [token_ids(llm_kv_int8.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+    assert batched == alone
+
+
+def test_prefix_cache_hit_keeps_output(make_llm, llm_kv_int8) -> None:
+    conversation = [{"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": "What are the support hours?"}]
+    reference = token_ids(make_llm(kv_cache_dtype="int8", enable_prefix_caching=False).chat(
+        [conversation], GREEDY, use_tqdm=False))
+    [first] = llm_kv_int8.chat([conversation], GREEDY, use_tqdm=False)
+    [second] = llm_kv_int8.chat([conversation], GREEDY, use_tqdm=False)
+    assert second.num_cached_tokens >= 192
+    assert token_ids([first]) == token_ids([second]) == reference
+
+
+def test_preemption_keeps_output(make_llm, llm_kv_int8) -> None:
+    prompts = varied_prompts(4)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    reference = token_ids(llm_kv_int8.generate(prompts, params, use_tqdm=False))
+    small = make_llm(kv_cache_dtype="int8", num_kv_blocks=8, block_size=16)
+    outputs = small.generate(prompts, params, use_tqdm=False)
+    assert small.engine.stats().num_preemptions >= 1
+    assert token_ids(outputs) == reference
+    assert small.engine.stats().num_kv_blocks_used == 0
+
+
+def test_chunked_prefill_keeps_output(make_llm, llm_kv_int8) -> None:
+    prompt = " ".join(f"item {i}: the value is {i * 7 % 13}." for i in range(40))
+    reference = token_ids(llm_kv_int8.generate([prompt], GREEDY, use_tqdm=False))
+    chunked = make_llm(kv_cache_dtype="int8", max_num_batched_tokens=64)
+    assert len(chunked.engine.tokenize(prompt)) > 300
+    assert token_ids(chunked.generate([prompt], GREEDY, use_tqdm=False)) == reference
+
+
+def test_kv_cache_dtype_is_validated() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
+        EngineConfig(kv_cache_dtype="fp8")
