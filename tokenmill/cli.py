@@ -1,4 +1,4 @@
-"""The `tokenmill` command: generate and serve (and, as it lands, bench).
+"""The `tokenmill` command: generate, serve and eval (and, as it lands, bench).
 
 Engine flags are derived from EngineConfig's fields, so a new option appears on every command at
 once. Errors print one line and exit with status 2; they never show a traceback.
@@ -12,6 +12,7 @@ import logging
 import sys
 import types
 import typing
+from pathlib import Path
 
 from tokenmill.config import EngineConfig
 
@@ -83,6 +84,28 @@ def _serve(args: argparse.Namespace) -> None:
     serve(config, args.host, args.port, settings)
 
 
+def _eval(args: argparse.Namespace) -> None:
+    from tokenmill.eval.configs import parse_config, parse_configs
+    from tokenmill.eval.report import EvalOptions, run_eval
+
+    options = EvalOptions(num_tokens=args.num_tokens, window=args.window,
+                          max_questions=args.max_questions,
+                          agreement_prompts=args.agreement_prompts,
+                          agreement_tokens=args.agreement_tokens,
+                          decode_tokens=args.decode_tokens)
+    report = run_eval(engine_config_from_args(args), parse_config(args.reference),
+                      parse_configs(args.configs), options)
+    print(report.table())
+    if args.output_json:
+        report.save(Path(args.output_json))
+    if args.max_ppl_increase is not None:
+        breaches = report.floor_breaches(args.max_ppl_increase)
+        for breach in breaches:
+            print(f"tokenmill eval: quality floor broken: {breach}", file=sys.stderr)
+        if breaches:
+            sys.exit(1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +136,27 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds between stats log lines")
     add_engine_args(srv, positional_model=True)
     srv.set_defaults(handler=_serve)
+
+    ev = commands.add_parser("eval", help="quality report: configurations against a reference")
+    ev.add_argument("--configs", default="int8,int4,kv-int8",
+                    help="comma-separated configurations, parts joined by '+': none, int8, int4, "
+                         "int4-g32/64/128, gguf, kv-int8, bf16, fp32 (e.g. int8+kv-int8)")
+    ev.add_argument("--reference", default="none",
+                    help="the configuration compared with (default: unquantized, in --dtype)")
+    ev.add_argument("--num-tokens", type=int, default=4096, help="perplexity slice, in tokens")
+    ev.add_argument("--window", type=int, default=1024, help="tokens scored as one sequence")
+    ev.add_argument("--max-questions", type=int, default=None,
+                    help="ask this many of the 60 questions (default: all)")
+    ev.add_argument("--agreement-prompts", type=int, default=12)
+    ev.add_argument("--agreement-tokens", type=int, default=48)
+    ev.add_argument("--decode-tokens", type=int, default=64,
+                    help="single-stream decode tokens timed for tokens/s")
+    ev.add_argument("--max-ppl-increase", type=float, default=None, metavar="PCT",
+                    help="exit with status 1 when a configuration's perplexity rises more")
+    ev.add_argument("--output-json", help="also write the results here")
+    add_engine_args(ev)
+    # The reference is the unquantized model in bf16; a small KV pool is plenty for the inputs.
+    ev.set_defaults(handler=_eval, dtype="bfloat16", kv_cache_memory=0.25)
     return parser
 
 

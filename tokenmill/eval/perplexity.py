@@ -1,0 +1,38 @@
+"""Perplexity on a fixed slice of the Python documentation that ships with every Python.
+
+The text is `pydoc_data.topics`, its topics in sorted key order joined by blank lines; the slice
+is its first `num_tokens` tokens, cut into windows scored independently (each window's first token
+has no context and is not scored). The engine scores them as prompts (prompt logprobs), so the
+measurement runs the serving path: chunked prefill, the paged and possibly int8 KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydoc_data.topics import topics
+
+from tokenmill import LLM, SamplingParams
+
+CHARS_PER_TOKEN_BOUND = 8  # tokenizing a prefix this many characters a token is always enough
+
+
+def documentation_tokens(llm: LLM, num_tokens: int) -> list[int]:
+    text = "\n\n".join(topics[key] for key in sorted(topics))
+    tokens = llm.engine.tokenize(text[:num_tokens * CHARS_PER_TOKEN_BOUND])
+    if len(tokens) < num_tokens:
+        raise ValueError(f"invalid eval option num_tokens={num_tokens}: the text has fewer")
+    return tokens[:num_tokens]
+
+
+def perplexity(llm: LLM, tokens: list[int], window: int) -> float:
+    windows = [tokens[start:start + window] for start in range(0, len(tokens), window)]
+    windows = [w for w in windows if len(w) > 1]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate(windows, params, use_tqdm=False)
+    total, count = 0.0, 0
+    for output in outputs:
+        for token_id, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]):
+            total += entry[token_id]
+            count += 1
+    return math.exp(-total / count)
