@@ -2,11 +2,12 @@
 
 60 short questions, 20 each of facts, arithmetic and extraction from a given sentence, each with
 its accepted answers. Each is asked in the model's chat template with an instruction to answer
-with the answer only, and answered greedily. The answer is the response's first non-empty line;
-it is right when, normalised, it equals a normalised accepted answer. Normalising lower-cases,
-deletes ASCII punctuation ("$12." -> "12", "o'clock" -> "oclock"), drops the words a, an and the,
-and collapses whitespace. A sentence around the answer ("The capital is Paris.") counts as wrong:
-exact match rewards a model that follows the instruction, in every configuration alike.
+with the answer only, and answered greedily. Small models answer in a sentence anyway ("The
+capital of France is Paris.", "2 + 3 = 5"), so the answer is read from the response's first
+non-empty line as the text after its last "is", "are", "was", "=" or ":" (the whole line when
+there is none). It is right when, normalised, it equals a normalised accepted answer.
+Normalising lower-cases, deletes ASCII punctuation ("$12." -> "12", "o'clock" -> "oclock"),
+drops the words a, an and the, and collapses whitespace.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from pathlib import Path
 from tokenmill import LLM, SamplingParams
 
 QUESTIONS_FILE = Path(__file__).with_name("questions.json")
-INSTRUCTION = "Answer with only the answer: a single word, name or number, with no sentence."
+INSTRUCTION = "Answer with only the answer."
 MAX_ANSWER_TOKENS = 24
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
+_ANSWER_MARKERS = re.compile(r"\bis\b|\bare\b|\bwas\b|=|:", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,15 +47,21 @@ def load_questions(max_questions: int | None = None) -> list[Question]:
     return [questions[int(i * step)] for i in range(max_questions)]
 
 
-def normalise(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
+def extract_answer(response: str) -> str:
+    lines = [line for line in response.strip().splitlines() if line.strip()]
     first = lines[0] if lines else ""
-    words = _ARTICLES.sub(" ", first.lower().translate(_PUNCTUATION))
+    pieces = [piece for piece in _ANSWER_MARKERS.split(first) if piece.strip()]
+    return pieces[-1] if pieces else first
+
+
+def normalise(text: str) -> str:
+    words = _ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION))
     return " ".join(words.split())
 
 
 def is_correct(response: str, question: Question) -> bool:
-    return normalise(response) in {normalise(answer) for answer in question.answers}
+    answer = normalise(extract_answer(response))
+    return answer in {normalise(accepted) for accepted in question.answers}
 
 
 def accuracy(llm: LLM, questions: list[Question]) -> float:
