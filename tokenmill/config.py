@@ -12,6 +12,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+SPECULATIVE_METHODS = ("ngram", "draft", "self")
 
 
 @dataclass(slots=True)
@@ -31,6 +32,16 @@ class EngineConfig:
     debug_checks: bool = False  # assert block accounting after every step
     quantization: str = "none"  # weights: none, int8 (per channel), int4 (grouped), gguf (own)
     quant_group_size: int = 128  # inputs per int4 scale and zero point
+    # Speculative decoding (docs/speculative.md); None turns it off.
+    speculative_method: str | None = None  # ngram (prompt lookup), draft (a second model), self
+    num_speculative_tokens: int = 4  # proposals per request per step, at most
+    ngram_max: int = 4  # longest suffix n-gram looked up in the request's own tokens
+    ngram_min: int = 1  # shortest one
+    speculative_model: str | None = None  # draft: a model with the target's tokenizer
+    speculative_quantization: str | None = None  # draft weights; None: int4 for self, else ours
+    speculative_draft_layers: int | None = None  # self: only the first N layers draft
+    speculative_disable_batch_size: int | None = None  # above this many running, propose none
+    speculative_adaptive: bool = True  # propose fewer when measured acceptance makes it a loss
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", *DTYPES), "dtype", self.dtype,
@@ -50,6 +61,30 @@ class EngineConfig:
                f"must be one of {', '.join(QUANTIZATIONS)}")
         _check(self.quant_group_size in (32, 64, 128), "quant_group_size", self.quant_group_size,
                "must be 32, 64 or 128")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        method = self.speculative_method
+        _check(method is None or method in SPECULATIVE_METHODS, "speculative_method", method,
+               f"must be one of {', '.join(SPECULATIVE_METHODS)} (or unset)")
+        _check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens",
+               self.num_speculative_tokens, "must be between 1 and 16")
+        _check(1 <= self.ngram_min, "ngram_min", self.ngram_min, "must be >= 1")
+        _check(self.ngram_min <= self.ngram_max, "ngram_max", self.ngram_max,
+               f"must be >= ngram_min={self.ngram_min}")
+        _check((self.speculative_model is not None) == (method == "draft"), "speculative_model",
+               self.speculative_model, "is required by speculative_method='draft' and used by "
+               "nothing else")
+        _check(self.speculative_quantization in (None, "none", "int8", "int4"),
+               "speculative_quantization", self.speculative_quantization,
+               "must be none, int8 or int4")
+        _check(self.speculative_draft_layers is None
+               or (method == "self" and self.speculative_draft_layers >= 1),
+               "speculative_draft_layers", self.speculative_draft_layers,
+               "must be >= 1 and needs speculative_method='self'")
+        _check(self.speculative_disable_batch_size is None
+               or self.speculative_disable_batch_size >= 1, "speculative_disable_batch_size",
+               self.speculative_disable_batch_size, "must be >= 1")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":

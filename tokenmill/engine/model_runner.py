@@ -2,7 +2,8 @@
 
 It owns the device side: the model weights and the KV pool tensors (one K and one V tensor per
 layer, [num_blocks, block_size, num_kv_heads, head_dim]). It reads requests but never changes
-them; the engine applies the sampled tokens and the prompt logprobs.
+them; the engine applies the sampled tokens and the prompt logprobs. A chunk carrying speculative
+tokens gets logits at each of them and the rejection sampler decides which survive.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from tokenmill.model.attention import (AttentionMetadata, PrefillChunk, causal_m
                                        decode_kernel_available, padding_mask)
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import LoadedModel
-from tokenmill.model.sampler import Sampler, SamplerOutput, logprob_entries
+from tokenmill.model.sampler import Sampler, logprob_entries
 from tokenmill.quant import model_bytes, quantize_model
+from tokenmill.spec.rejection import RejectionSampler
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # flat rows whose next token is sampled
+    logits_indices: torch.Tensor  # flat rows whose next token is sampled (1 + K per chunk)
     sampled_chunks: list[ScheduledChunk]
     prompt_logprob_chunks: list[tuple[ScheduledChunk, int]]  # (chunk, its first flat row)
 
@@ -51,7 +53,9 @@ class PromptLogprobs:
 @dataclass(slots=True)
 class StepResult:
     sampled_chunks: list[ScheduledChunk]
-    sampled: SamplerOutput
+    # Per sampled chunk: the accepted speculative tokens, then one token of the target's own.
+    token_ids: list[list[int]]
+    logprobs: list[list[dict[int, float] | None]]
     prompt_logprobs: list[PromptLogprobs]
 
 
@@ -65,6 +69,7 @@ class ModelRunner:
         quantize_model(self.model, config.quantization, config.quant_group_size, loaded.path)
         self.model_bytes = model_bytes(self.model)
         self.sampler = Sampler(config.seed)
+        self.rejection_sampler = RejectionSampler(self.sampler)
         mc = loaded.config
         bytes_per_token = mc.kv_bytes_per_token_per_dtype_byte * self.dtype.itemsize
         if config.num_kv_blocks is not None:
@@ -94,12 +99,17 @@ class ModelRunner:
         prompt_logprobs = [self._prompt_logprobs(hidden, chunk, row)
                            for chunk, row in inputs.prompt_logprob_chunks]
         if not inputs.sampled_chunks:
-            return StepResult([], SamplerOutput([], []), prompt_logprobs)
+            return StepResult([], [], [], prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        requests = [c.request for c in inputs.sampled_chunks]
+        chunks = inputs.sampled_chunks
+        if any(c.num_spec_tokens for c in chunks):
+            token_ids, logprobs = self.rejection_sampler(logits, chunks)
+            return StepResult(chunks, token_ids, logprobs, prompt_logprobs)
+        requests = [c.request for c in chunks]
         sampled = self.sampler(logits, [r.sampling_params for r in requests],
                                [r.generator for r in requests])
-        return StepResult(inputs.sampled_chunks, sampled, prompt_logprobs)
+        return StepResult(chunks, [[t] for t in sampled.token_ids],
+                          [[entry] for entry in sampled.logprobs], prompt_logprobs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, chunk: ScheduledChunk,
                          first_row: int) -> PromptLogprobs:
@@ -135,13 +145,15 @@ class ModelRunner:
             request, start = chunk.request, chunk.request.num_computed_tokens
             end = start + chunk.num_new_tokens
             query_start = len(input_ids)
-            tokens = request.all_token_ids[start:end]
+            tokens = request.all_token_ids[start:end - chunk.num_spec_tokens] \
+                + request.spec_token_ids[:chunk.num_spec_tokens]
             input_ids.extend(tokens)
             positions.extend(range(start, end))
             blocks = request.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            if chunk.completes_sequence:
-                logits_indices.append(len(input_ids) - 1)
+            if chunk.completes_sequence:  # the last known token, then each speculative one
+                logits_indices.extend(range(len(input_ids) - 1 - chunk.num_spec_tokens,
+                                            len(input_ids)))
                 sampled.append(chunk)
             if request.sampling_params.prompt_logprobs is not None \
                     and start < request.num_prompt_tokens - 1:
