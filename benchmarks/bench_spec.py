@@ -8,7 +8,8 @@
 (c) 16 and 32 concurrent requests, speculation (adaptive throttle on) against none: throughput.
     Target: >= 0.95x.
 
-Greedy throughout, so each speculative run must give the plain run's tokens; the script checks.
+Greedy throughout: in fp32 each speculative run gives the plain run's tokens (the script
+reports how much of the output agrees; in bf16 rounding can part the texts at a near tie).
 
     python benchmarks/bench_spec.py                      # all three parts, a few minutes
     python benchmarks/bench_spec.py --parts a,c --max-tokens 32 --concurrency 4   # smoke test
@@ -159,12 +160,25 @@ def spec_summary(before, after) -> dict[str, Any]:
 
 
 def compare(name: str, plain: dict[str, Any], spec: dict[str, Any], metric: str) -> dict:
-    identical = plain.pop("token_ids") == spec.pop("token_ids")
+    plain_ids, spec_ids = plain.pop("token_ids"), spec.pop("token_ids")
+    # In fp32 the outputs are identical; in bf16 the verifying pass (a multi-token chunk) and
+    # plain decode round differently, so a near tie can flip and the texts part from there.
+    agreeing = sum(common_prefix(a, b) for a, b in zip(plain_ids, spec_ids))
+    agreement = agreeing / max(sum(len(a) for a in plain_ids), 1)
     ratio = spec[metric] / plain[metric]
     print(f"  {name}: plain {plain[metric]:.1f} tok/s, speculative {spec[metric]:.1f} tok/s, "
           f"ratio {ratio:.2f}x, acceptance {spec.get('acceptance_rate', 0):.1%}, mean accepted "
-          f"length {spec.get('mean_accepted_length', 0):.2f}, identical tokens {identical}")
-    return {"plain": plain, "speculative": spec, "ratio": ratio, "identical_tokens": identical}
+          f"length {spec.get('mean_accepted_length', 0):.2f}, tokens before the outputs part "
+          f"{agreement:.1%}")
+    return {"plain": plain, "speculative": spec, "ratio": ratio,
+            "identical_tokens": plain_ids == spec_ids, "agreeing_prefix_fraction": agreement}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    length = 0
+    while length < min(len(a), len(b)) and a[length] == b[length]:
+        length += 1
+    return length
 
 
 def run_ab(model: str, args: argparse.Namespace, base: dict[str, Any], spec: dict[str, Any],

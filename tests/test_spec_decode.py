@@ -32,7 +32,7 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=24, ign
 METHODS = {
     "ngram": dict(speculative_method="ngram"),
     "self": dict(speculative_method="self"),  # the target's int4 form
-    "self_layers": dict(speculative_method="self", speculative_draft_layers=6,
+    "self_layers": dict(speculative_method="self", speculative_draft_layers=4,
                         speculative_quantization="none"),  # a poor draft: many rejections
     "draft": dict(speculative_method="draft", speculative_model=DEFAULT_MODEL,
                   speculative_quantization="int8"),  # loaded again as a separate model
@@ -62,16 +62,15 @@ def mixed_reference(llm_fp32, mixed_batch):
     return token_ids(llm_fp32.generate(*mixed_batch))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ["ngram", "self", "draft"])
 def test_output_is_identical_to_plain_decoding(make_llm, llm_fp32, mixed_batch, mixed_reference,
                                                method):
     llm = spec_llm(make_llm, method)
     prompts, params = mixed_batch
-    for i in (0, 3):  # single requests
+    for i in (8, 11):  # single requests, one greedy and one seeded, that fill a few blocks
         assert token_ids(llm.generate([prompts[i]], params[i])) == [mixed_reference[i]]
-    # The batch twice: the second run takes its prompts from the prefix cache.
-    for _ in range(2):
-        assert token_ids(llm.generate(prompts, params)) == mixed_reference
+    # The batch takes those two prompts' blocks from the prefix cache.
+    assert token_ids(llm.generate(prompts, params)) == mixed_reference
     stats = llm.engine.stats()
     spec = stats.spec_decode
     assert stats.prefix_cache_hits > 0
@@ -80,10 +79,10 @@ def test_output_is_identical_to_plain_decoding(make_llm, llm_fp32, mixed_batch, 
     llm.engine.speculator.check_invariants()
 
 
-@pytest.mark.parametrize("method", ["ngram", "self"])
+@pytest.mark.parametrize("method", ["ngram", "self_layers"])
 def test_output_is_identical_under_preemption(make_llm, mixed_batch, mixed_reference, method):
     prompts, params = mixed_batch
-    llm = spec_llm(make_llm, method, num_kv_blocks=16)
+    llm = spec_llm(make_llm, method, num_kv_blocks=10)
     outputs = llm.generate(prompts[:8], params[:8])
     assert token_ids(outputs) == mixed_reference[:8]
     assert llm.engine.stats().num_preemptions >= 1
@@ -124,13 +123,13 @@ def test_aborts_return_every_block_of_target_and_draft(make_llm):
     llm = spec_llm(make_llm, "self_layers", num_kv_blocks=128)
     engine = llm.engine
     draft_pool = engine.speculator.proposer.kv_cache.pool
-    params = SamplingParams(temperature=0.8, max_tokens=48, ignore_eos=True)
-    for i, prompt in enumerate(varied_prompts(10)):
+    params = SamplingParams(temperature=0.8, max_tokens=32, ignore_eos=True)
+    for i, prompt in enumerate(varied_prompts(8)):
         engine.add_request(f"req{i}", prompt, params)
-    for _ in range(6):
+    for _ in range(4):
         engine.step()
     assert draft_pool.num_free < draft_pool.num_blocks
-    for i in range(0, 10, 2):
+    for i in range(0, 8, 2):
         engine.abort_request(f"req{i}")
     while engine.has_unfinished_requests():
         engine.step()
