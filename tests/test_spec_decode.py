@@ -26,8 +26,8 @@ from tokenmill.spec.ngram import NgramProposer
 from tokenmill.spec.rejection import RejectionSampler, draw
 from tokenmill.spec.throttle import PROBE_INTERVAL, SpeculationThrottle
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=24, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=16, ignore_eos=True)
 # Each method with K = 4 and the throttle off, so every step proposes.
 METHODS = {
     "ngram": dict(speculative_method="ngram"),
