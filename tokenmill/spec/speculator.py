@@ -41,6 +41,8 @@ class Speculator:
     def propose(self, running: list[Request]) -> None:
         """Set the proposals of every running request for the next step ([] for most when
         load or acceptance says speculation would not pay)."""
+        if not running:
+            return
         count = self.throttle.num_tokens(len(running))
         self.stats.current_num_speculative_tokens = count
         self.stats.num_throttled_steps += count < self.num_speculative_tokens
