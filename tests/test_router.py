@@ -128,7 +128,7 @@ def replicas(tmp_path_factory) -> ServerProcess:
     """Two replicas (one thread each) behind the cache-aware router of `serve -dp 2`."""
     server = start_server(tmp_path_factory.mktemp("dp") / "dp.log",
                           "--data-parallel-size", "2", "--num-kv-blocks", "512",
-                          "--max-num-seqs", "4", "--policy", "cache_aware",
+                          "--max-num-seqs", "8", "--policy", "cache_aware",
                           "--health-check-interval", "0.5",
                           base_flags=("--dtype", "float32", "--num-threads", "2",
                                       "--log-interval", "2"))
@@ -187,8 +187,10 @@ def test_cache_aware_keeps_a_prefix_on_one_replica_round_robin_spreads_it(replic
     assert spread == set(worker_urls(replicas))
 
 
-async def one_request(client: httpx.AsyncClient, url: str, index: int) -> dict:
-    """Streams completions (30 of 40) or waits for a whole one; records what came back."""
+async def one_request(client: httpx.AsyncClient, url: str, index: int,
+                      started: list[int]) -> dict:
+    """Streams completions (30 of 40) or waits for a whole one; records what came back and
+    counts the streams that received their first event in `started`."""
     stream = index % 4 != 0
     body = {"model": MODEL, "prompt": f"Story {index}: once upon a time", "max_tokens": 24,
             "temperature": 0, "ignore_eos": True, "stream": stream}
@@ -208,6 +210,7 @@ async def one_request(client: httpx.AsyncClient, url: str, index: int) -> dict:
                 error = json.loads(line[6:])["error"]
             else:
                 events += 1
+                started[0] += events == 1
     return {"stream": True, "events_before_error": events, "error": error, "done": done}
 
 
@@ -217,10 +220,15 @@ def test_a_replica_killed_under_load_loses_no_request(replicas, round_robin):
                   if victim_url.rpartition(":")[2] in p.cmdline())
 
     async def main() -> list[dict]:
+        started = [0]
         async with httpx.AsyncClient(timeout=httpx.Timeout(180.0)) as client:
             url = f"{round_robin.base_url}/v1/completions"
-            tasks = [asyncio.create_task(one_request(client, url, i)) for i in range(40)]
-            await asyncio.sleep(2.0)  # both replicas busy, many requests still queued
+            tasks = [asyncio.create_task(one_request(client, url, i, started))
+                     for i in range(40)]
+            # Kill once both replicas stream their first batch (24 tokens to go each) and
+            # hold the other requests in their queues: 8 running at most on each.
+            while started[0] < 8:
+                await asyncio.sleep(0.05)
             victim.kill()
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
 
@@ -230,7 +238,7 @@ def test_a_replica_killed_under_load_loses_no_request(replicas, round_robin):
     streams = [r for r in results if r["stream"]]
     assert all(r["done"] for r in streams), streams  # every stream ends with [DONE]
     broken = [r for r in streams if r["error"] is not None]
-    assert all(r["events_before_error"] >= 1 for r in broken), broken  # only started ones
+    assert broken and all(r["events_before_error"] >= 1 for r in broken), broken  # started
     assert all(r["error"]["code"] == "worker_failed" for r in broken)
     metrics = round_robin.metrics()
     assert metrics[f'tokenmill_router:worker_healthy{{worker="{victim_url}"}}'] == 0
