@@ -162,6 +162,23 @@ def test_heads_that_dont_divide_fail_at_start_up(make_llm):
         make_llm(tensor_parallel_size=2)
 
 
+def test_a_dead_worker_fails_requests_at_once_and_marks_the_engine_unhealthy(tmp_path, smollm):
+    folder = write_tiny_model(tmp_path / "tiny", smollm, "LlamaForCausalLM", 4, 2)
+    llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=64, block_size=8,
+              tensor_parallel_size=2)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert not llm.generate(tiny_prompts()[:2], params, use_tqdm=False)[0].error
+    [worker] = llm.engine.runner.workers.processes
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join()
+    for _ in range(2):  # the peer's loss, then the stopped group: an error, never a hang
+        outputs = llm.generate(tiny_prompts()[:2], params, use_tqdm=False)
+        assert all(o.error and o.error.startswith("engine error: ") for o in outputs)
+        assert not llm.engine.healthy
+    assert llm.engine.kv_cache.pool.num_free == llm.engine.kv_cache.pool.num_blocks
+    llm.engine.shutdown()
+
+
 def test_ctrl_c_stops_every_rank(tmp_path, smollm):
     folder = write_tiny_model(tmp_path / "tiny", smollm, "LlamaForCausalLM", 4, 2)
     log_path = tmp_path / "generate.log"

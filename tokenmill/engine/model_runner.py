@@ -121,6 +121,11 @@ class ModelRunner:
             return contextlib.nullcontext()
         return self.workers.step(inputs.input_ids, inputs.positions, inputs.meta)
 
+    @property
+    def healthy(self) -> bool:
+        """False once tensor-parallel workers stopped after an error: no step can run."""
+        return self.workers is None or not self.workers.stopped
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any."""
         if self.workers is not None:
