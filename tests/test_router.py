@@ -110,6 +110,8 @@ def test_bad_router_options_name_the_option():
         Worker.parse("localhost:8000")
     with pytest.raises(ValueError, match="max_tree_chars=0"):
         RadixTree(0)
+    with pytest.raises(ValueError, match="cache_threshold=1.5"):
+        PolicySettings(cache_threshold=1.5)
 
 
 def test_routing_text_of_completions_and_chats():

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.prompts import CHAT_QUESTIONS
-from tests.server_process import REPO_ROOT
+from tests.server_process import REPO_ROOT, free_port
 from tokenmill import LLM, SamplingParams
 from tokenmill.distributed.shard import TensorShard
 from tokenmill.model.loader import LoadedModel
@@ -122,8 +122,7 @@ def test_shards_split_heads_and_replicate_scarce_kv_heads():
 
 @pytest.mark.parametrize("architecture,num_heads,num_kv_heads", [
     ("LlamaForCausalLM", 4, 2),  # KV heads split
-    ("LlamaForCausalLM", 4, 1),  # one KV head, replicated on both ranks
-    ("Qwen2ForCausalLM", 4, 2),  # q/k/v biases split with their rows
+    ("Qwen2ForCausalLM", 4, 1),  # one KV head replicated on both ranks; q/k/v biases split
 ])
 def test_tp2_greedy_equals_tp1_on_tiny_models(tmp_path, smollm, architecture, num_heads,
                                               num_kv_heads):
@@ -160,6 +159,25 @@ def test_heads_that_dont_divide_fail_at_start_up(make_llm):
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2: the model has 9 attention "
                        "heads"):
         make_llm(tensor_parallel_size=2)
+
+
+def test_ranks_on_a_second_node_join_by_tcp_and_stop_with_the_engine(tmp_path, smollm):
+    folder = write_tiny_model(tmp_path / "tiny", smollm, "LlamaForCausalLM", 4, 2)
+    address = f"127.0.0.1:{free_port()}"
+    options = dict(model=str(folder), dtype="float32", num_kv_blocks=64, block_size=8)
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", address]
+    # Node 1 is its own command, as on another host: it runs rank 1 and serves nothing.
+    node = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "--model",
+                             str(folder), "--dtype", "float32", "--num-kv-blocks", "64",
+                             "--block-size", "8", "--node-rank", "1", *flags], cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    expected = greedy_tokens(LLM(**options), tiny_prompts(), max_tokens=8)
+    engine = LLM(**options, tensor_parallel_size=2, nnodes=2, dist_init_addr=address)
+    assert engine.engine.runner.workers.processes == []  # node 0 holds rank 0 alone
+    assert greedy_tokens(engine, tiny_prompts(), max_tokens=8) == expected
+    engine.engine.shutdown()
+    output, _ = node.communicate(timeout=60)
+    assert node.returncode == 0 and "node 1: ranks [1] started" in output, output
 
 
 def test_a_dead_worker_fails_requests_at_once_and_marks_the_engine_unhealthy(tmp_path, smollm):

@@ -15,10 +15,10 @@ import types
 import typing
 
 from tokenmill.config import EngineConfig
+from tokenmill.router.settings import add_router_args, router_settings
 
 if typing.TYPE_CHECKING:
     from tokenmill.engine.engine import LLMEngine
-    from tokenmill.router.app import RouterSettings
 
 
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
@@ -95,6 +95,9 @@ def _serve(args: argparse.Namespace) -> None:
     config = engine_config_from_args(args)
     if config.node_rank > 0:  # this host only holds tensor-parallel ranks
         return run_node(config)
+    if args.data_parallel_size < 1:
+        raise ValueError(f"invalid option data_parallel_size={args.data_parallel_size}: must be "
+                         ">= 1")
     if args.data_parallel_size > 1:
         return _serve_replicas(args, config)
     settings = ServerSettings(model_name=args.served_model_name or config.model,
@@ -120,7 +123,7 @@ def _serve_replicas(args: argparse.Namespace, config: EngineConfig) -> None:
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     flags += ["--max-waiting-requests", str(args.max_waiting_requests), "--shutdown-timeout",
               str(args.shutdown_timeout), "--log-interval", str(args.log_interval)]
-    run_data_parallel([flags] * replicas, _router_settings(args, workers=[]), args.host,
+    run_data_parallel([flags] * replicas, router_settings(args, workers=[]), args.host,
                       args.port, args.shutdown_timeout)
 
 
@@ -139,49 +142,10 @@ def _engine_flags(config: EngineConfig) -> list[str]:
     return flags
 
 
-def _router_settings(args: argparse.Namespace, workers: list[str]) -> RouterSettings:
-    from tokenmill.router.app import RouterSettings
-    from tokenmill.router.policies import PolicySettings
-
-    policy = PolicySettings(balance_abs_threshold=args.balance_abs_threshold,
-                            balance_rel_threshold=args.balance_rel_threshold,
-                            cache_threshold=args.cache_threshold,
-                            max_tree_chars=args.max_tree_chars,
-                            long_prompt_threshold=args.long_prompt_threshold)
-    return RouterSettings(workers=workers, policy=args.policy, policy_settings=policy,
-                          health_check_interval=args.health_check_interval)
-
-
 def _router(args: argparse.Namespace) -> None:
     from tokenmill.router.launcher import run_router
 
-    run_router(_router_settings(args, args.worker), args.host, args.port, args.shutdown_timeout)
-
-
-def add_router_args(parser: argparse.ArgumentParser) -> None:
-    from tokenmill.router.policies import POLICIES, PolicySettings
-
-    defaults = PolicySettings()
-    parser.add_argument("--policy", choices=POLICIES, default="cache_aware",
-                        help="how the router picks a worker (default: cache_aware)")
-    parser.add_argument("--balance-abs-threshold", type=int,
-                        default=defaults.balance_abs_threshold,
-                        help="cache_aware balances load once max - min in-flight requests "
-                        "exceeds this ...")
-    parser.add_argument("--balance-rel-threshold", type=float,
-                        default=defaults.balance_rel_threshold,
-                        help="... and max exceeds this times min")
-    parser.add_argument("--cache-threshold", type=float, default=defaults.cache_threshold,
-                        help="cache_aware follows a prefix match covering more than this "
-                        "fraction of the prompt; else the worker with the smallest tree")
-    parser.add_argument("--max-tree-chars", type=int, default=defaults.max_tree_chars,
-                        help="characters of prompt text remembered per worker (LRU)")
-    parser.add_argument("--long-prompt-threshold", type=int,
-                        default=defaults.long_prompt_threshold,
-                        help="prompt_length sends prompts of this many characters or more to "
-                        "workers tagged URL#long")
-    parser.add_argument("--health-check-interval", type=float, default=2.0,
-                        help="seconds between health checks of the workers")
+    run_router(router_settings(args, args.worker), args.host, args.port, args.shutdown_timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
@@ -13,8 +12,9 @@ from fastapi.responses import Response
 
 import tokenmill
 from tokenmill.router.metrics import RouterMetrics
-from tokenmill.router.policies import PolicySettings, make_policy
+from tokenmill.router.policies import make_policy
 from tokenmill.router.proxy import Proxy
+from tokenmill.router.settings import RouterSettings
 from tokenmill.router.workers import Worker, WorkerPool
 from tokenmill.server.errors import install_error_handlers
 
@@ -22,15 +22,6 @@ from tokenmill.server.errors import install_error_handlers
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 FORWARDED_POSTS = ("/tokenize", "/detokenize")
 FORWARDED_GETS = ("/v1/models", "/version")
-
-
-@dataclass(slots=True)
-class RouterSettings:
-    workers: list[str]  # URL or URL#long
-    policy: str = "cache_aware"
-    policy_settings: PolicySettings = field(default_factory=PolicySettings)
-    health_check_interval: float = 2.0  # seconds
-    request_timeout: float = 600.0  # seconds without a byte from a worker
 
 
 def build_router_app(settings: RouterSettings) -> FastAPI:

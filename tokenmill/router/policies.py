@@ -31,6 +31,17 @@ class PolicySettings:
     max_tree_chars: int = 2_000_000  # per worker: about 500,000 tokens of prompt text
     long_prompt_threshold: int = 8000  # characters
 
+    def __post_init__(self) -> None:
+        for name, ok, rule in (
+                ("balance_abs_threshold", self.balance_abs_threshold >= 0, ">= 0"),
+                ("balance_rel_threshold", self.balance_rel_threshold >= 1, ">= 1"),
+                ("cache_threshold", 0 <= self.cache_threshold <= 1, "in [0, 1]"),
+                ("max_tree_chars", self.max_tree_chars >= 1, ">= 1"),
+                ("long_prompt_threshold", self.long_prompt_threshold >= 1, ">= 1")):
+            if not ok:
+                raise ValueError(f"invalid router option {name}={getattr(self, name)!r}: "
+                                 f"must be {rule}")
+
 
 class Policy:
     name: str
