@@ -10,6 +10,7 @@ ends with an error event, none hangs, and none that had not started streaming is
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import signal
 import subprocess
@@ -190,9 +191,9 @@ def test_cache_aware_keeps_a_prefix_on_one_replica_round_robin_spreads_it(replic
 
 
 async def one_request(client: httpx.AsyncClient, url: str, index: int,
-                      started: list[int]) -> dict:
+                      started: collections.Counter) -> dict:
     """Streams completions (30 of 40) or waits for a whole one; records what came back and
-    counts the streams that received their first event in `started`."""
+    counts, per replica, the streams that received their first event in `started`."""
     stream = index % 4 != 0
     body = {"model": MODEL, "prompt": f"Story {index}: once upon a time", "max_tokens": 24,
             "temperature": 0, "ignore_eos": True, "stream": stream}
@@ -212,7 +213,7 @@ async def one_request(client: httpx.AsyncClient, url: str, index: int,
                 error = json.loads(line[6:])["error"]
             else:
                 events += 1
-                started[0] += events == 1
+                started[response.headers[WORKER_HEADER]] += events == 1
     return {"stream": True, "events_before_error": events, "error": error, "done": done}
 
 
@@ -222,14 +223,14 @@ def test_a_replica_killed_under_load_loses_no_request(replicas, round_robin):
                   if victim_url.rpartition(":")[2] in p.cmdline())
 
     async def main() -> list[dict]:
-        started = [0]
+        started: collections.Counter = collections.Counter()
         async with httpx.AsyncClient(timeout=httpx.Timeout(180.0)) as client:
             url = f"{round_robin.base_url}/v1/completions"
             tasks = [asyncio.create_task(one_request(client, url, i, started))
                      for i in range(40)]
-            # Kill once both replicas stream their first batch (24 tokens to go each) and
-            # hold the other requests in their queues: 8 running at most on each.
-            while started[0] < 8:
+            # Kill once the victim streams its first batch (24 tokens to go) and holds the
+            # rest of its share in its queue: 8 requests run at most on each replica.
+            while started[victim_url] < 2:
                 await asyncio.sleep(0.05)
             victim.kill()
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
