@@ -29,6 +29,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    # Tensor parallelism (docs/scaling.md): ranks split heads and MLP columns; rank 0 schedules.
+    tensor_parallel_size: int = 1
+    dist_init_addr: str | None = None  # host:port of rank 0's rendezvous; None: a local port
+    nnodes: int = 1  # hosts the ranks are spread over, tensor_parallel_size / nnodes on each
+    node_rank: int = 0  # this host's index; node 0 runs the engine, the others only workers
     debug_checks: bool = False  # assert block accounting after every step
     quantization: str = "none"  # weights: none, int8 (per channel), int4 (grouped), gguf (own)
     quant_group_size: int = 128  # inputs per int4 scale and zero point
@@ -57,6 +62,19 @@ class EngineConfig:
                self.kv_cache_memory, "must be > 0 GiB")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
                self.num_kv_blocks, "must be >= 1")
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size,
+               "must be >= 1")
+        _check(self.nnodes >= 1 and self.tensor_parallel_size % self.nnodes == 0, "nnodes",
+               self.nnodes, f"must divide tensor_parallel_size={self.tensor_parallel_size}")
+        _check(0 <= self.node_rank < self.nnodes, "node_rank", self.node_rank,
+               f"must be in 0..{self.nnodes - 1}")
+        _check(self.nnodes == 1 or self.dist_init_addr is not None, "dist_init_addr",
+               self.dist_init_addr, "is required when nnodes > 1 (rank 0's host:port)")
+        _check(self.dist_init_addr is None or _is_host_port(self.dist_init_addr),
+               "dist_init_addr", self.dist_init_addr, "must be host:port")
+        # Quantizing a row-parallel shard scales its own columns only: not the same model.
+        _check(self.tensor_parallel_size == 1 or self.quantization == "none", "quantization",
+               self.quantization, "is not supported with tensor_parallel_size > 1 yet")
         _check(self.quantization in QUANTIZATIONS, "quantization", self.quantization,
                f"must be one of {', '.join(QUANTIZATIONS)}")
         _check(self.quant_group_size in (32, 64, 128), "quant_group_size", self.quant_group_size,
@@ -109,6 +127,11 @@ def cpu_has_fast_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _is_host_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:

@@ -269,6 +269,14 @@ class LLMEngine:
                              first.prompt_logprobs
                              if first.sampling_params.prompt_logprobs is not None else None)
 
+    @property
+    def healthy(self) -> bool:
+        return self.runner.healthy
+
+    def shutdown(self) -> None:
+        """Release what outlives a step: the tensor-parallel worker processes."""
+        self.runner.shutdown()
+
     # ---- stats ----------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:

@@ -1,19 +1,24 @@
 """ModelRunner: turns a scheduled batch into tensors, runs the model, samples.
 
 It owns the device side: the model weights and the KV pool tensors (one K and one V tensor per
-layer, [num_blocks, block_size, num_kv_heads, head_dim]). It reads requests but never changes
-them; the engine applies the sampled tokens and the prompt logprobs. A chunk carrying speculative
-tokens gets logits at each of them and the rejection sampler decides which survive.
+layer, [num_blocks, block_size, num_kv_heads, head_dim]); under tensor parallelism, this rank's
+shard of both, and on rank 0 the worker processes that hold the rest. It reads requests but
+never changes them; the engine applies the sampled tokens and the prompt logprobs. A chunk
+carrying speculative tokens gets logits at each of them and the rejection sampler decides which
+survive.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.shard import TensorShard
+from tokenmill.distributed.worker_group import WorkerGroup
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenmill.model.attention import (AttentionMetadata, PrefillChunk, causal_mask_with_prefix,
@@ -60,17 +65,22 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel,
+                 shard: TensorShard | None = None) -> None:
+        """`shard`: a tensor-parallel worker's rank; rank 0 (the default) starts the others."""
+        shard = shard or TensorShard(0, config.tensor_parallel_size)
+        shard.check(loaded.config)
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype()
         self.block_size = config.block_size
-        self.model = LlamaForCausalLM(loaded.config, loaded.weights, self.dtype, self.device)
+        self.model = LlamaForCausalLM(loaded.config, loaded.weights, self.dtype, self.device,
+                                      shard)
         self.float_model_bytes = model_bytes(self.model)
         quantize_model(self.model, config.quantization, config.quant_group_size, loaded.path)
         self.model_bytes = model_bytes(self.model)
         self.sampler = Sampler(config.seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
-        mc = loaded.config
+        mc = shard.local_config(loaded.config)  # this rank's KV heads
         bytes_per_token = mc.kv_bytes_per_token_per_dtype_byte * self.dtype.itemsize
         if config.num_kv_blocks is not None:
             self.num_blocks = config.num_kv_blocks
@@ -88,6 +98,9 @@ class ModelRunner:
                     self.model_bytes / 2**20, config.quantization, self.kv_cache_bytes / 2**20,
                     self.kv_capacity_tokens)
         self.use_decode_kernel = decode_kernel_available(self.device)
+        # Last, so nothing after it can fail and leave the other ranks waiting.
+        self.workers = WorkerGroup.start(config) if shard.rank == 0 and shard.world_size > 1 \
+            else None
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -95,7 +108,8 @@ class ModelRunner:
 
     def execute(self, scheduled: SchedulerOutput) -> StepResult:
         inputs = self.prepare(scheduled.chunks)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        with self._all_ranks(inputs):
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         prompt_logprobs = [self._prompt_logprobs(hidden, chunk, row)
                            for chunk, row in inputs.prompt_logprob_chunks]
         if not inputs.sampled_chunks:
@@ -110,6 +124,23 @@ class ModelRunner:
                                [r.generator for r in requests])
         return StepResult(chunks, [[t] for t in sampled.token_ids],
                           [[entry] for entry in sampled.logprobs], prompt_logprobs)
+
+    def _all_ranks(self, inputs: StepInputs) -> contextlib.AbstractContextManager:
+        """Under tensor parallelism the other ranks run the same forward on the same inputs;
+        logits and sampling stay here, on rank 0."""
+        if self.workers is None:
+            return contextlib.nullcontext()
+        return self.workers.step(inputs.input_ids, inputs.positions, inputs.meta)
+
+    @property
+    def healthy(self) -> bool:
+        """False once tensor-parallel workers stopped after an error: no step can run."""
+        return self.workers is None or not self.workers.stopped
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     def _prompt_logprobs(self, hidden: torch.Tensor, chunk: ScheduledChunk,
                          first_row: int) -> PromptLogprobs:

@@ -63,8 +63,10 @@ class DraftProposer:
                 f"invalid engine option speculative_model={name!r}: it handles "
                 f"{loaded.config.max_position_embeddings} tokens, fewer than max_model_len="
                 f"{max_model_len}")
+        # The draft runs whole on rank 0, beside the target's rank-0 shard.
         draft_config = replace(config, model=name, quantization=quantization,
-                               num_kv_blocks=num_blocks, speculative_method=None,
+                               num_kv_blocks=num_blocks, tensor_parallel_size=1,
+                               speculative_method=None,
                                speculative_model=None, speculative_draft_layers=None)
         return cls(ModelRunner(draft_config, loaded))
 
