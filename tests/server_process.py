@@ -87,11 +87,16 @@ def start_server(log_path: Path, *flags: str,
     log = log_path.open("w")
     process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    server = ServerProcess(process, f"http://127.0.0.1:{port}", log_path)
+    return wait_healthy(ServerProcess(process, f"http://127.0.0.1:{port}", log_path))
+
+
+def wait_healthy(server: ServerProcess) -> ServerProcess:
+    """The server once its /health answers 200; stopped, with its log in the error, otherwise."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode}:\n{server.log()}")
+        if server.process.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.process.returncode}:\n"
+                               f"{server.log()}")
         try:
             if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
                 return server
