@@ -1,4 +1,4 @@
-"""The `tokenmill` command: generate and serve (and, as it lands, bench).
+"""The `tokenmill` command: generate, serve and bench.
 
 Engine flags are derived from EngineConfig's fields, so a new option appears on every command at
 once. Errors print one line and exit with status 2; they never show a traceback.
@@ -13,6 +13,7 @@ import sys
 import types
 import typing
 
+from tokenmill.bench.cli import add_bench_commands
 from tokenmill.config import EngineConfig
 
 
@@ -113,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds between stats log lines")
     add_engine_args(srv, positional_model=True)
     srv.set_defaults(handler=_serve)
+    add_bench_commands(commands)
     return parser
 
 

@@ -1,0 +1,106 @@
+"""The servers tokenmill is measured against, each started on loopback with the same model file:
+
+- `tokenmill`: `tokenmill serve`;
+- `hf-generate`: Hugging Face `generate` behind tokenmill.bench.hf_server, one request at a time
+  (the "basic setup");
+- `transformers-serve`: `transformers serve --continuous-batching` on the CPU;
+- `llama-server`: llama.cpp's server with `-np` parallel slots and continuous batching, built by
+  scripts/build_peers.sh into the peers cache (never in CI).
+A peer that cannot start raises ServerUnavailable saying why; the comparison reports it and goes
+on. Peers run one after another, never at the same time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenmill.bench.launch import ServerUnavailable, tokenmill_command
+from tokenmill.model.loader import DEFAULT_MODEL, cache_root, resolve_model_path
+
+
+def default_peers_dir() -> Path:
+    return Path(os.environ.get("TOKENMILL_PEERS_DIR") or cache_root() / "peers")
+
+
+@dataclass(frozen=True)
+class PeerSettings:
+    model: str = DEFAULT_MODEL  # built-in name or .gguf path, the same file for every peer
+    parallel: int = 16  # sequences a server is set up to run at once (llama-server -np)
+    threads: int = 2
+    hf_dtype: str = "bfloat16"  # the Hugging Face peers' dtype (tokenmill's auto is bf16 here)
+    context_per_slot: int = 4096  # llama-server: context of each of its -np slots
+    tokenmill_args: tuple[str, ...] = ()
+    peers_dir: Path = field(default_factory=default_peers_dir)
+
+
+@dataclass(frozen=True)
+class PeerServer:
+    """How to start a peer, and what its requests must carry."""
+    command: list[str]
+    request_model: str  # the `model` field of each request
+    extra_body: dict  # request fields besides the workload
+    env: dict[str, str] = field(default_factory=dict)
+
+
+GREEDY_FULL_LENGTH = {"temperature": 0.0, "ignore_eos": True}
+
+
+def _gguf(settings: PeerSettings) -> Path:
+    path = resolve_model_path(settings.model)
+    if not path.is_file():
+        raise ServerUnavailable(f"peers need a GGUF file; {settings.model} is a folder")
+    return path
+
+
+def _tokenmill(settings: PeerSettings, port: int) -> PeerServer:
+    return PeerServer(tokenmill_command(port, settings.model, "--num-threads",
+                                        str(settings.threads), *settings.tokenmill_args),
+                      settings.model, GREEDY_FULL_LENGTH)
+
+
+def _hf_generate(settings: PeerSettings, port: int) -> PeerServer:
+    return PeerServer([sys.executable, "-m", "tokenmill.bench.hf_server", "--model",
+                       settings.model, "--port", str(port), "--dtype", settings.hf_dtype,
+                       "--threads", str(settings.threads)], "hf-generate", GREEDY_FULL_LENGTH)
+
+
+def _transformers_serve(settings: PeerSettings, port: int) -> PeerServer:
+    executable = shutil.which("transformers")
+    if executable is None:
+        raise ServerUnavailable("the `transformers` command is not installed")
+    gguf = _gguf(settings)
+    force_model = f"{gguf.parent}:{gguf.name}"  # transformers serve's `<folder>:<file>.gguf`
+    # It answers 422 to fields it does not know (ignore_eos): a generation config whose EOS id
+    # never occurs makes it produce max_tokens tokens all the same.
+    no_eos = json.dumps({"do_sample": False, "eos_token_id": -1})
+    return PeerServer([executable, "serve", force_model, "--continuous-batching", "--device",
+                       "cpu", "--dtype", settings.hf_dtype, "--host", "127.0.0.1", "--port",
+                       str(port)], force_model,
+                      {"temperature": 0.0, "generation_config": no_eos},
+                      env={"OMP_NUM_THREADS": str(settings.threads)})
+
+
+def _llama_server(settings: PeerSettings, port: int) -> PeerServer:
+    binary = settings.peers_dir / "bin" / "llama-server"
+    if not binary.exists():
+        raise ServerUnavailable(f"llama-server is not built ({binary} is missing): run "
+                                "scripts/build_peers.sh")
+    return PeerServer([str(binary), "-m", str(_gguf(settings)), "--host", "127.0.0.1", "--port",
+                       str(port), "-np", str(settings.parallel), "-c",
+                       str(settings.parallel * settings.context_per_slot), "--cont-batching",
+                       "-t", str(settings.threads), "-tb", str(settings.threads), "--metrics"],
+                      settings.model, GREEDY_FULL_LENGTH)
+
+
+PEERS: dict[str, Callable[[PeerSettings, int], PeerServer]] = {
+    "tokenmill": _tokenmill,
+    "hf-generate": _hf_generate,
+    "transformers-serve": _transformers_serve,
+    "llama-server": _llama_server,
+}
