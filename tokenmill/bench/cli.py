@@ -179,9 +179,9 @@ def _run_grid(args: argparse.Namespace, plans: list[ServerPlan], settings: dict,
                                   args.start_timeout, args.progress)
     print()
     print(comparison_table(result.runs, result.unavailable))
-    if reference:
-        print()
-        print(ratio_table(result.runs, reference))
+    ratios = ratio_table(result.runs, reference) if reference else ""
+    if ratios:
+        print(f"\n{ratios}")
     if args.output_json:
         write_json(args.output_json, {"environment": _environment(), "settings": settings,
                                       "runs": [run.to_dict() for run in result.runs],

@@ -77,7 +77,8 @@ def launch(name: str, command: list[str], port: int, log_path: Path,
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise ServerUnavailable(f"{name} exited with status {process.returncode} while "
-                                    f"starting; log {log_path}:\n{server.log()[-3000:]}")
+                                    f"starting: {_last_line(server.log())} (log {log_path})\n"
+                                    f"{server.log()[-3000:]}")
         try:
             if httpx.get(server.base_url + health_path, timeout=2).status_code == 200:
                 return server
@@ -85,8 +86,14 @@ def launch(name: str, command: list[str], port: int, log_path: Path,
             pass
         time.sleep(0.5)
     server.stop()
-    raise ServerUnavailable(f"{name} was not ready after {start_timeout_s:.0f} s; log "
-                            f"{log_path}:\n{server.log()[-3000:]}")
+    raise ServerUnavailable(f"{name} was not ready after {start_timeout_s:.0f} s: "
+                            f"{_last_line(server.log())} (log {log_path})\n{server.log()[-3000:]}")
+
+
+def _last_line(log: str) -> str:
+    """The last line a failing server printed: usually the error itself."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
 
 
 def tokenmill_command(port: int, *flags: str) -> list[str]:

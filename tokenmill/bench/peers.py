@@ -3,7 +3,8 @@
 - `tokenmill`: `tokenmill serve`;
 - `hf-generate`: Hugging Face `generate` behind tokenmill.bench.hf_server, one request at a time
   (the "basic setup");
-- `transformers-serve`: `transformers serve --continuous-batching` on the CPU;
+- `transformers-serve`: `transformers serve --continuous-batching` on the CPU, over the same
+  weights saved once as a Hugging Face folder;
 - `llama-server`: llama.cpp's server with `-np` parallel slots and continuous batching, built by
   scripts/build_peers.sh into the peers cache (never in CI).
 A peer that cannot start raises ServerUnavailable saying why; the comparison reports it and goes
@@ -16,12 +17,13 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenmill.bench.launch import ServerUnavailable, tokenmill_command
-from tokenmill.model.loader import DEFAULT_MODEL, cache_root, resolve_model_path
+from tokenmill.model.loader import DEFAULT_MODEL, cache_root, load_tokenizer, resolve_model_path
 
 
 def default_peers_dir() -> Path:
@@ -74,16 +76,54 @@ def _transformers_serve(settings: PeerSettings, port: int) -> PeerServer:
     executable = shutil.which("transformers")
     if executable is None:
         raise ServerUnavailable("the `transformers` command is not installed")
-    gguf = _gguf(settings)
-    force_model = f"{gguf.parent}:{gguf.name}"  # transformers serve's `<folder>:<file>.gguf`
+    folder = str(hf_folder(settings))
     # It answers 422 to fields it does not know (ignore_eos): a generation config whose EOS id
     # never occurs makes it produce max_tokens tokens all the same.
     no_eos = json.dumps({"do_sample": False, "eos_token_id": -1})
-    return PeerServer([executable, "serve", force_model, "--continuous-batching", "--device",
-                       "cpu", "--dtype", settings.hf_dtype, "--host", "127.0.0.1", "--port",
-                       str(port)], force_model,
-                      {"temperature": 0.0, "generation_config": no_eos},
+    # Its CPU default would give the KV cache 60% of the machine's memory: size it like
+    # llama-server's (parallel x context_per_slot tokens) with tokenmill's per-step token budget.
+    page = 256
+    return PeerServer([executable, "serve", folder, "--continuous-batching", "--device", "cpu",
+                       "--dtype", settings.hf_dtype, "--cb-block-size", str(page),
+                       "--cb-num-blocks", str(settings.parallel * settings.context_per_slot // page),
+                       "--cb-max-batch-tokens", "2048", "--host", "127.0.0.1", "--port", str(port)],
+                      folder, {"temperature": 0.0, "generation_config": no_eos},
                       env={"OMP_NUM_THREADS": str(settings.threads)})
+
+
+def hf_folder(settings: PeerSettings) -> Path:
+    """The model as a Hugging Face folder, made once into the peers cache: the weights
+    de-quantized from the GGUF in fp32 (as transformers does when it reads a GGUF) and tokenmill's
+    tokenizer, which carries the GGUF's chat template.
+
+    `transformers serve <folder>:<file>.gguf` fails in transformers 5.24: the config it builds from
+    a GGUF has no `architectures` (TypeError: 'NoneType' object is not subscriptable)."""
+    gguf = _gguf(settings)
+    folder = settings.peers_dir / "hf" / gguf.stem
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    # save_pretrained refuses a model read from a GGUF ("not serializable"), so the tensors and
+    # the config are written directly, as a plain float checkpoint.
+    config = model.config
+    config.architectures = [type(model).__name__]
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    weights = {name: tensor.contiguous() for name, tensor in model.state_dict().items()
+               if not (config.tie_word_embeddings and name == "lm_head.weight")}
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix="staging."))
+    config.save_pretrained(staging)
+    model.generation_config.save_pretrained(staging)
+    save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
+    load_tokenizer(settings.model).save_pretrained(staging)
+    os.replace(staging, folder)
+    return folder
 
 
 def _llama_server(settings: PeerSettings, port: int) -> PeerServer:

@@ -117,7 +117,7 @@ def ratio_table(runs: list[BenchmarkRun], reference: str) -> str:
             ttft = other.metrics.ttft_ms.median / base.metrics.ttft_ms.median
             rows.append(f"| {base.dataset} | {_concurrency(base)} | {other.label} | "
                         f"{_number(throughput, 2)} | {_number(ttft, 2)} |")
-    return "\n".join(rows)
+    return "\n".join(rows) if len(rows) > 2 else ""
 
 
 def _cells(dist: Distribution, *fields: str) -> str:
