@@ -16,5 +16,5 @@ bench:
 bench-peers: setup
 	bash scripts/build_peers.sh
 	tokenmill bench peers --datasets shared-prefix,mixed --concurrency 1,16 --num-prompts 8,32 \
-		--output-len 64 --hf-num-prompts 4 --max-duration 240 \
+		--output-len 64 --hf-num-prompts 4 --max-duration 90 \
 		--output-json benchmarks/results/bench_peers.json --plot-dir docs/img --plot-prefix bench_peers
