@@ -158,7 +158,7 @@ def plot_latency_cdfs(runs: list[BenchmarkRun], path: Path, title: str = "") -> 
             values = sorted(v * 1000.0 for v in run.latencies_s[metric])
             if values:
                 fractions = [(i + 1) / len(values) for i in range(len(values))]
-                axis.step(values, fractions, where="post",
+                axis.step([values[0], *values], [0.0, *fractions], where="post",
                           label=f"{run.label} c={_concurrency(run)} (n={len(values)})")
         axis.set_xscale("log")
         axis.set_xlabel(f"{name} (ms, log scale)")
@@ -187,6 +187,9 @@ def plot_throughput(runs: list[BenchmarkRun], path: Path, title: str = "") -> Pa
         axis.plot([p[0] for p in points], [p[1] for p in points], marker="o",
                   label=f"{label} · {dataset}")
     axis.set_xscale("log", base=2)
+    ticks = sorted({c for points in lines.values() for c, _ in points})
+    axis.set_xticks(ticks, labels=[str(t) for t in ticks])
+    axis.minorticks_off()
     axis.set_xlabel("max concurrency")
     axis.set_ylabel("output tokens/s")
     axis.grid(True, which="both", alpha=0.3)
