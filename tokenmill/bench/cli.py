@@ -86,8 +86,8 @@ def _add_workload_args(parser: argparse.ArgumentParser, grid: bool) -> None:
                       help="mixed: tokens per long document")
     data.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per conversation")
     data.add_argument("--sharegpt-path", type=Path, help="sharegpt: a ShareGPT-format JSON file")
-    data.add_argument("--tokenizer", default=DEFAULT_MODEL,
-                      help="model whose tokenizer sizes the prompts (name, .gguf or folder)")
+    data.add_argument("--tokenizer", help="model whose tokenizer sizes the prompts (name, .gguf "
+                      f"or folder; default: {'--model' if grid else DEFAULT_MODEL})")
     data.add_argument("--seed", type=int, default=0)
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=math.inf,
@@ -147,7 +147,7 @@ def _served_model(base_url: str, api_key: str | None) -> str:
 
 def _serve(args: argparse.Namespace) -> None:
     slo = SLO.parse(args.slo)
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer or DEFAULT_MODEL)
     conversations = build_dataset(_dataset_spec(args, args.dataset, args.num_prompts), tokenizer)
     extra_body = {"temperature": 0.0, **({"ignore_eos": True} if args.ignore_eos else {})}
     target = Target(args.base_url, args.model or _served_model(args.base_url, args.api_key),
@@ -175,8 +175,9 @@ def _run_grid(args: argparse.Namespace, plans: list[ServerPlan], settings: dict,
                         cost_per_hour=args.cost_per_hour)
     log_dir = Path(tempfile.mkdtemp(prefix="tokenmill-bench."))
     print(f"server logs: {log_dir}")
-    result: GridResult = run_grid(plans, workload, load_tokenizer(args.tokenizer), log_dir,
-                                  args.start_timeout, args.progress)
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    result: GridResult = run_grid(plans, workload, tokenizer, log_dir, args.start_timeout,
+                                  args.progress)
     print()
     print(comparison_table(result.runs, result.unavailable))
     ratios = ratio_table(result.runs, reference) if reference else ""

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenmill.bench.launch import ServerUnavailable, tokenmill_command
-from tokenmill.model.loader import DEFAULT_MODEL, cache_root, load_tokenizer, resolve_model_path
+from tokenmill.model.loader import (DEFAULT_MODEL, cache_root, load_tokenizer,
+                                     resolve_model_path)
 
 
 def default_peers_dir() -> Path:
