@@ -84,9 +84,10 @@ def _transformers_serve(settings: PeerSettings, port: int) -> PeerServer:
     # Its CPU default would give the KV cache 60% of the machine's memory: size it like
     # llama-server's (parallel x context_per_slot tokens) with tokenmill's per-step token budget.
     page = 256
+    num_blocks = settings.parallel * settings.context_per_slot // page
     return PeerServer([executable, "serve", folder, "--continuous-batching", "--device", "cpu",
                        "--dtype", settings.hf_dtype, "--cb-block-size", str(page),
-                       "--cb-num-blocks", str(settings.parallel * settings.context_per_slot // page),
+                       "--cb-num-blocks", str(num_blocks),
                        "--cb-max-batch-tokens", "2048", "--host", "127.0.0.1", "--port", str(port)],
                       folder, {"temperature": 0.0, "generation_config": no_eos},
                       env={"OMP_NUM_THREADS": str(settings.threads)})
