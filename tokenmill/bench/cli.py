@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.metadata
 import math
+import os
 import platform
 import shlex
 import subprocess
@@ -132,8 +134,15 @@ def _environment() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in
                 Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
                platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    versions = {}
+    for package in ("torch", "transformers"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
     return {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": platform.platform(),
-            "cpu": cpu, "commit": commit, "command": "tokenmill " + shlex.join(sys.argv[1:])}
+            "cpu": cpu, "cores": os.cpu_count(), "versions": versions, "commit": commit,
+            "command": "tokenmill " + shlex.join(sys.argv[1:])}
 
 
 def _served_model(base_url: str, api_key: str | None) -> str:
