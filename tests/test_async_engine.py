@@ -161,3 +161,35 @@ def test_shutdown_finishes_short_requests_and_aborts_the_rest(engine):
     assert short.outputs[0].finish_reason == "length"
     assert long.outputs[0].finish_reason == "abort"
     assert stats.num_kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+
+
+def test_a_stream_whose_client_left_before_the_first_byte_is_aborted(engine):
+    """The SSE response owns its requests: a client gone before the event generator ever ran
+    (the ASGI server reports the disconnect at once) still aborts them."""
+    from starlette.requests import ClientDisconnect
+
+    from tokenmill.server.streaming import EventStream
+
+    async def main():
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        stream = await async_engine.add_request("gone", "Tell me a story", LONG)
+
+        async def never_iterated():
+            yield "data: never sent\n\n"
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                raise OSError("the client closed the connection")
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}}
+        with pytest.raises(ClientDisconnect):  # Starlette's name for the failed send
+            await EventStream(never_iterated(), [stream])(scope, receive, send)
+        await wait_idle(async_engine)
+        return await async_engine.shutdown(timeout=0.0)
+
+    stats = asyncio.run(main())
+    assert stats.num_kv_blocks_used == 0 and not engine.has_unfinished_requests()

@@ -1,4 +1,4 @@
-"""The `tokenmill` command: generate, serve and bench.
+"""The `tokenmill` command: generate, serve, router and bench.
 
 Engine flags are derived from EngineConfig's fields, so a new option appears on every command at
 once. Errors print one line and exit with status 2; they never show a traceback.
@@ -9,12 +9,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import types
 import typing
 
 from tokenmill.bench.cli import add_bench_commands
 from tokenmill.config import EngineConfig
+from tokenmill.router.settings import add_router_args, router_settings
+
+if typing.TYPE_CHECKING:
+    from tokenmill.engine.engine import LLMEngine
 
 
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
@@ -43,10 +48,22 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _generate(args: argparse.Namespace) -> None:
+    from tokenmill.distributed.worker import run_node
     from tokenmill.engine.engine import LLMEngine
+
+    config = engine_config_from_args(args)
+    if config.node_rank > 0:  # this host only holds tensor-parallel ranks
+        return run_node(config)
+    engine = LLMEngine(config)
+    try:
+        _stream_generation(engine, args)
+    finally:
+        engine.shutdown()
+
+
+def _stream_generation(engine: LLMEngine, args: argparse.Namespace) -> None:
     from tokenmill.sampling_params import SamplingParams
 
-    engine = LLMEngine(engine_config_from_args(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed_sampling,
                             stop=args.stop or None)
@@ -71,17 +88,65 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    from tokenmill.distributed.worker import run_node
     from tokenmill.server.api import ServerSettings
     from tokenmill.server.auth import ApiKeys
     from tokenmill.server.launcher import serve
 
     config = engine_config_from_args(args)
+    if config.node_rank > 0:  # this host only holds tensor-parallel ranks
+        return run_node(config)
+    if args.data_parallel_size < 1:
+        raise ValueError(f"invalid option data_parallel_size={args.data_parallel_size}: must be "
+                         ">= 1")
+    if args.data_parallel_size > 1:
+        return _serve_replicas(args, config)
     settings = ServerSettings(model_name=args.served_model_name or config.model,
                               api_keys=ApiKeys.parse(args.api_key),
                               max_waiting_requests=args.max_waiting_requests,
                               shutdown_timeout=args.shutdown_timeout,
                               log_interval=args.log_interval)
     serve(config, args.host, args.port, settings)
+
+
+def _serve_replicas(args: argparse.Namespace, config: EngineConfig) -> None:
+    """N replicas of this very command, each with its share of the threads, behind a router."""
+    from tokenmill.router.replicas import run_data_parallel
+
+    replicas = args.data_parallel_size
+    if config.nnodes > 1 or config.dist_init_addr is not None:
+        raise ValueError("invalid option data_parallel_size: replicas each pick their own "
+                         "tensor-parallel rendezvous; drop --dist-init-addr and --nnodes")
+    threads = max(1, (config.num_threads or os.cpu_count() or 1) // replicas)
+    flags = _engine_flags(dataclasses.replace(config, num_threads=threads))
+    for name in ("api_key", "served_model_name"):
+        if getattr(args, name) is not None:
+            flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    flags += ["--max-waiting-requests", str(args.max_waiting_requests), "--shutdown-timeout",
+              str(args.shutdown_timeout), "--log-interval", str(args.log_interval)]
+    run_data_parallel([flags] * replicas, router_settings(args, workers=[]), args.host,
+                      args.port, args.shutdown_timeout)
+
+
+def _engine_flags(config: EngineConfig) -> list[str]:
+    """The flags that rebuild `config` on another command line (defaults left out)."""
+    flags = []
+    for field in dataclasses.fields(EngineConfig):
+        value = getattr(config, field.name)
+        if value == field.default:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _router(args: argparse.Namespace) -> None:
+    from tokenmill.router.launcher import run_router
+
+    run_router(router_settings(args, args.worker), args.host, args.port, args.shutdown_timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,8 +177,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds running requests get to finish on Ctrl-C or SIGTERM")
     srv.add_argument("--log-interval", type=float, default=5.0,
                      help="seconds between stats log lines")
+    srv.add_argument("--data-parallel-size", type=int, default=1,
+                     help="run this many engine replicas behind a router (router flags apply)")
     add_engine_args(srv, positional_model=True)
+    add_router_args(srv)
     srv.set_defaults(handler=_serve)
+
+    rtr = commands.add_parser("router", help="OpenAI-compatible router over engine replicas")
+    rtr.add_argument("--worker", action="append", required=True,
+                     help="a replica's base URL, e.g. http://10.0.0.2:8000; add #long to give "
+                     "it the long prompts under --policy prompt_length (repeatable)")
+    rtr.add_argument("--host", default="127.0.0.1")
+    rtr.add_argument("--port", type=int, default=8000)
+    rtr.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds open requests get to finish on Ctrl-C or SIGTERM")
+    add_router_args(rtr)
+    rtr.set_defaults(handler=_router)
     add_bench_commands(commands)
     return parser
 

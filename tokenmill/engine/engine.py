@@ -3,7 +3,8 @@
 Each step schedules a batch, runs it, applies the sampled tokens, detokenizes, checks stop
 conditions and returns outputs for the requests that moved. A request with n > 1 is a group of n
 sequences sharing one prompt (and, through the prefix cache, its K/V). A fault while running a
-batch fails the requests in that batch, never the engine.
+batch fails the requests in that batch, never the engine. With speculative decoding a step can
+emit several tokens per request; only the verified ones count as computed.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.metrics import EngineStats
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.scheduler import ScheduledChunk, Scheduler
 from tokenmill.model.loader import LoadedModel, load_model
 from tokenmill.outputs import CompletionOutput, RequestOutput, RequestOutputMetrics
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec.speculator import Speculator
 
 logger = logging.getLogger("tokenmill.engine")
 
@@ -62,6 +64,10 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.block_size,
                                        config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache)
+        self.speculator = Speculator.create(config, loaded, self.runner.num_blocks,
+                                            self.max_model_len)
+        if self.speculator is not None:
+            self.scheduler.on_release = self.speculator.release
         self.groups: dict[str, _Group] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -140,6 +146,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
             return self._fail_unschedulable()
+        started = time.perf_counter()
         try:
             result = self.runner.execute(scheduled)
         except Exception as error:  # a fault fails this batch's requests, not the engine
@@ -150,21 +157,42 @@ class LLMEngine:
                 request.error = f"engine error: {error}"
                 self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
             return self._collect(failed)
-        now = time.time()
-        for chunk in scheduled.chunks:
-            chunk.request.num_computed_tokens += chunk.num_new_tokens
+        elapsed, now = time.perf_counter() - started, time.time()
+        for chunk in scheduled.chunks:  # speculative tokens count once verified, below
+            chunk.request.num_computed_tokens += chunk.num_new_tokens - chunk.num_spec_tokens
             if chunk.request.num_computed_tokens <= chunk.request.num_prompt_tokens:
                 self.prompt_tokens_total += chunk.num_new_tokens
             self.kv_cache.commit_full_blocks(chunk.request)
         for scored in result.prompt_logprobs:  # a recompute after preemption rewrites the same
             end = scored.first_position + len(scored.entries)
             scored.request.prompt_logprobs[scored.first_position:end] = scored.entries
-        for chunk, token_id, logprobs in zip(result.sampled_chunks, result.sampled.token_ids,
-                                             result.sampled.logprobs):
-            self._append_token(chunk.request, token_id, logprobs, now)
+        for chunk, token_ids, logprobs in zip(result.sampled_chunks, result.token_ids,
+                                              result.logprobs):
+            self._append_tokens(chunk, token_ids, logprobs, now)
+        if self.speculator is not None:
+            self.speculator.observe_step(scheduled.num_batched_tokens, elapsed)
+            self.speculator.propose(self.scheduler.running)
         if self.config.debug_checks:
             self.kv_cache.check_invariants(self.scheduler.running)
+            if self.speculator is not None:
+                self.speculator.check_invariants()
         return self._collect([c.request for c in result.sampled_chunks])
+
+    def _append_tokens(self, chunk: ScheduledChunk, token_ids: list[int],
+                       logprobs: list[dict | None], now: float) -> None:
+        """The accepted speculative tokens (if any), then the target's own; a stop ends it."""
+        request = chunk.request
+        for token_id, entry in zip(token_ids, logprobs):
+            self._append_token(request, token_id, entry, now)
+            if request.finished:
+                break
+        if chunk.num_spec_tokens:
+            num_accepted = len(token_ids) - 1
+            self.speculator.record(chunk.num_spec_tokens, num_accepted)
+            if not request.finished:
+                # The accepted tokens' K/V came from this pass; the rejected ones' blocks go.
+                request.num_computed_tokens += num_accepted
+                self.kv_cache.trim(request)
 
     def _append_token(self, request: Request, token_id: int, logprobs: dict | None,
                       now: float) -> None:
@@ -241,6 +269,14 @@ class LLMEngine:
                              first.prompt_logprobs
                              if first.sampling_params.prompt_logprobs is not None else None)
 
+    @property
+    def healthy(self) -> bool:
+        return self.runner.healthy
+
+    def shutdown(self) -> None:
+        """Release what outlives a step: the tensor-parallel worker processes."""
+        self.runner.shutdown()
+
     # ---- stats ----------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
@@ -252,4 +288,5 @@ class LLMEngine:
             prefix_cache_hits=self.kv_cache.stats.hits,
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total)
+            generation_tokens_total=self.generation_tokens_total,
+            spec_decode=self.speculator.stats.snapshot() if self.speculator else None)

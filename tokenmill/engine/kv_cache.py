@@ -139,6 +139,13 @@ class KVCacheManager:
             self.pool.register(block, self.block_key(request, index))
         request.num_committed_blocks = max(request.num_committed_blocks, num_full)
 
+    def trim(self, request: Request) -> None:
+        """Release the blocks past the computed tokens: those of rejected speculative tokens."""
+        keep = -(-request.num_computed_tokens // self.block_size)
+        tail = request.block_ids[keep:]
+        self.pool.release([self.pool.blocks[i] for i in reversed(tail)])
+        del request.block_ids[keep:]
+
     def free(self, request: Request) -> None:
         self.pool.release([self.pool.blocks[i] for i in reversed(request.block_ids)])
         request.block_ids = []

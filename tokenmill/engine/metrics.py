@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenmill.spec.stats import SpecDecodeStats
+
 
 @dataclass(slots=True)
 class EngineStats:
@@ -16,6 +18,7 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int  # prompt tokens computed (cache hits excluded)
     generation_tokens_total: int
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
 
     @property
     def kv_cache_usage(self) -> float:

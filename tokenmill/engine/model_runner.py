@@ -1,26 +1,33 @@
 """ModelRunner: turns a scheduled batch into tensors, runs the model, samples.
 
 It owns the device side: the model weights and the KV pool tensors (one K and one V tensor per
-layer, [num_blocks, block_size, num_kv_heads, head_dim]). It reads requests but never changes
-them; the engine applies the sampled tokens and the prompt logprobs.
+layer, [num_blocks, block_size, num_kv_heads, head_dim]); under tensor parallelism, this rank's
+shard of both, and on rank 0 the worker processes that hold the rest. It reads requests but
+never changes them; the engine applies the sampled tokens and the prompt logprobs. A chunk
+carrying speculative tokens gets logits at each of them and the rejection sampler decides which
+survive.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.shard import TensorShard
+from tokenmill.distributed.worker_group import WorkerGroup
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenmill.model.attention import (AttentionMetadata, PrefillChunk, causal_mask_with_prefix,
                                        decode_kernel_available, padding_mask)
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import LoadedModel
-from tokenmill.model.sampler import Sampler, SamplerOutput, logprob_entries
+from tokenmill.model.sampler import Sampler, logprob_entries
 from tokenmill.quant import model_bytes, quantize_model
+from tokenmill.spec.rejection import RejectionSampler
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +42,7 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # flat rows whose next token is sampled
+    logits_indices: torch.Tensor  # flat rows whose next token is sampled (1 + K per chunk)
     sampled_chunks: list[ScheduledChunk]
     prompt_logprob_chunks: list[tuple[ScheduledChunk, int]]  # (chunk, its first flat row)
 
@@ -51,21 +58,29 @@ class PromptLogprobs:
 @dataclass(slots=True)
 class StepResult:
     sampled_chunks: list[ScheduledChunk]
-    sampled: SamplerOutput
+    # Per sampled chunk: the accepted speculative tokens, then one token of the target's own.
+    token_ids: list[list[int]]
+    logprobs: list[list[dict[int, float] | None]]
     prompt_logprobs: list[PromptLogprobs]
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel,
+                 shard: TensorShard | None = None) -> None:
+        """`shard`: a tensor-parallel worker's rank; rank 0 (the default) starts the others."""
+        shard = shard or TensorShard(0, config.tensor_parallel_size)
+        shard.check(loaded.config)
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype()
         self.block_size = config.block_size
-        self.model = LlamaForCausalLM(loaded.config, loaded.weights, self.dtype, self.device)
+        self.model = LlamaForCausalLM(loaded.config, loaded.weights, self.dtype, self.device,
+                                      shard)
         self.float_model_bytes = model_bytes(self.model)
         quantize_model(self.model, config.quantization, config.quant_group_size, loaded.path)
         self.model_bytes = model_bytes(self.model)
         self.sampler = Sampler(config.seed)
-        mc = loaded.config
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        mc = shard.local_config(loaded.config)  # this rank's KV heads
         bytes_per_token = mc.kv_bytes_per_token_per_dtype_byte * self.dtype.itemsize
         if config.num_kv_blocks is not None:
             self.num_blocks = config.num_kv_blocks
@@ -83,6 +98,9 @@ class ModelRunner:
                     self.model_bytes / 2**20, config.quantization, self.kv_cache_bytes / 2**20,
                     self.kv_capacity_tokens)
         self.use_decode_kernel = decode_kernel_available(self.device)
+        # Last, so nothing after it can fail and leave the other ranks waiting.
+        self.workers = WorkerGroup.start(config) if shard.rank == 0 and shard.world_size > 1 \
+            else None
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -90,16 +108,39 @@ class ModelRunner:
 
     def execute(self, scheduled: SchedulerOutput) -> StepResult:
         inputs = self.prepare(scheduled.chunks)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        with self._all_ranks(inputs):
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         prompt_logprobs = [self._prompt_logprobs(hidden, chunk, row)
                            for chunk, row in inputs.prompt_logprob_chunks]
         if not inputs.sampled_chunks:
-            return StepResult([], SamplerOutput([], []), prompt_logprobs)
+            return StepResult([], [], [], prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        requests = [c.request for c in inputs.sampled_chunks]
+        chunks = inputs.sampled_chunks
+        if any(c.num_spec_tokens for c in chunks):
+            token_ids, logprobs = self.rejection_sampler(logits, chunks)
+            return StepResult(chunks, token_ids, logprobs, prompt_logprobs)
+        requests = [c.request for c in chunks]
         sampled = self.sampler(logits, [r.sampling_params for r in requests],
                                [r.generator for r in requests])
-        return StepResult(inputs.sampled_chunks, sampled, prompt_logprobs)
+        return StepResult(chunks, [[t] for t in sampled.token_ids],
+                          [[entry] for entry in sampled.logprobs], prompt_logprobs)
+
+    def _all_ranks(self, inputs: StepInputs) -> contextlib.AbstractContextManager:
+        """Under tensor parallelism the other ranks run the same forward on the same inputs;
+        logits and sampling stay here, on rank 0."""
+        if self.workers is None:
+            return contextlib.nullcontext()
+        return self.workers.step(inputs.input_ids, inputs.positions, inputs.meta)
+
+    @property
+    def healthy(self) -> bool:
+        """False once tensor-parallel workers stopped after an error: no step can run."""
+        return self.workers is None or not self.workers.stopped
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     def _prompt_logprobs(self, hidden: torch.Tensor, chunk: ScheduledChunk,
                          first_row: int) -> PromptLogprobs:
@@ -135,13 +176,15 @@ class ModelRunner:
             request, start = chunk.request, chunk.request.num_computed_tokens
             end = start + chunk.num_new_tokens
             query_start = len(input_ids)
-            tokens = request.all_token_ids[start:end]
+            tokens = request.all_token_ids[start:end - chunk.num_spec_tokens] \
+                + request.spec_token_ids[:chunk.num_spec_tokens]
             input_ids.extend(tokens)
             positions.extend(range(start, end))
             blocks = request.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            if chunk.completes_sequence:
-                logits_indices.append(len(input_ids) - 1)
+            if chunk.completes_sequence:  # the last known token, then each speculative one
+                logits_indices.extend(range(len(input_ids) - 1 - chunk.num_spec_tokens,
+                                            len(input_ids)))
                 sampled.append(chunk)
             if request.sampling_params.prompt_logprobs is not None \
                     and start < request.num_prompt_tokens - 1:

@@ -57,6 +57,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # digests of the full blocks so far
     num_committed_blocks: int = 0  # leading blocks already offered to the prefix cache
+    # Proposed by speculative decoding for the next step; unverified, so never in the tokens.
+    spec_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     error: str | None = None

@@ -4,7 +4,8 @@ There are no prefill and decode phases. Each request's `num_computed_tokens` cat
 token count under one per-step budget, running requests first, then waiting ones in arrival
 order. That one rule gives continuous batching, chunked prefill and prefix-cache reuse. When the
 pool runs dry the newest running request is preempted: its blocks are freed and it is recomputed
-later from its tokens, so its output does not change. A waiting request whose next prefix block
+later from its tokens, so its output does not change. A decoding request's speculative
+proposals count in the budget like any token (1 + K for the step), cut first when it runs short. A waiting request whose next prefix block
 a running request is computing right now waits for it (it hits the cache a step later) instead of
 computing the same tokens beside it.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
@@ -27,12 +29,14 @@ MIN_SHARED_BLOCKS_TO_WAIT = 4
 @dataclass(slots=True)
 class ScheduledChunk:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # including the speculative tokens
+    num_spec_tokens: int = 0  # the last ones: request.spec_token_ids, to be verified
 
     @property
     def completes_sequence(self) -> bool:
         """After this chunk every known token is computed, so the next token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens \
+            == self.request.num_tokens
 
 
 @dataclass(slots=True)
@@ -53,6 +57,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Called when a request gives up its blocks (finish, abort, preemption), so state kept
+        # beside them (a draft model's KV) goes too.
+        self.on_release: Callable[[Request], None] | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -66,15 +73,21 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_known = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_known + len(request.spec_token_ids), budget)
+            del request.spec_token_ids[max(num_new - num_known, 0):]  # cut to the budget
             while not self.kv_cache.allocate(request, num_new):
+                if request.spec_token_ids:  # speculation gives way before any request does
+                    num_new -= len(request.spec_token_ids)
+                    request.spec_token_ids = []
+                    continue
                 victim = self.running.pop()  # the newest running request gives way
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                out.chunks.append(ScheduledChunk(request, num_new))
+                out.chunks.append(ScheduledChunk(request, num_new, len(request.spec_token_ids)))
                 budget -= num_new
                 index += 1
                 continue
@@ -128,7 +141,7 @@ class Scheduler:
         return False
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request)
+        self._release(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.metrics.num_preemptions += 1
@@ -142,4 +155,10 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
         self.kv_cache.free(request)
+        request.spec_token_ids = []
+        if self.on_release is not None:
+            self.on_release(request)

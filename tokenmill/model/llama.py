@@ -1,8 +1,9 @@
 """The Llama family (Llama, SmolLM2, Qwen2) over a flat token batch and a paged KV cache.
 
 Built from Hugging Face-named weights; q/k/v and gate/up are fused into one product each at
-construction so a step runs fewer, larger matrix products. The model computes hidden states and
-logits only; it knows nothing of requests or sampling.
+construction so a step runs fewer, larger matrix products. Under tensor parallelism each rank
+builds its shard: its heads' q/k/v rows, its MLP columns, and row-parallel o and down. The model
+computes hidden states and logits only; it knows nothing of requests or sampling.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.distributed.parallel_linear import RowParallelLinear
+from tokenmill.distributed.shard import TensorShard, head_rows
 from tokenmill.model.attention import AttentionMetadata, PagedAttention
 from tokenmill.model.layers import (Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
                                     apply_rotary)
@@ -17,7 +20,9 @@ from tokenmill.model.model_config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, qkv: Linear, o_proj: Linear) -> None:
+    def __init__(self, config: ModelConfig, qkv: Linear,
+                 o_proj: Linear | RowParallelLinear) -> None:
+        """`config` counts this rank's heads only (TensorShard.local_config)."""
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -40,20 +45,40 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str,
+                 shard: TensorShard) -> None:
+        """`config` is the whole model's; `shard` picks this rank's heads and MLP columns."""
         super().__init__()
-        def fused(*parts: str) -> Linear:
-            names = [f"{prefix}.{part}" for part in parts]
+        def fused(*parts: tuple[str, slice]) -> Linear:
+            """The named products' selected rows, stacked into one product."""
+            names = [f"{prefix}.{part}" for part, _ in parts]
             bias = None
             if f"{names[0]}.bias" in weights:  # Qwen2's q, k and v
-                bias = _stack_rows([weights[f"{name}.bias"] for name in names])
+                bias = _stack_rows([weights[f"{name}.bias"][rows]
+                                    for name, (_, rows) in zip(names, parts)])
             sources = tuple(f"{name}.weight" for name in names)
-            return Linear(_stack_rows([weights[source] for source in sources]), bias, sources)
+            return Linear(_stack_rows([weights[source][rows]
+                                       for source, (_, rows) in zip(sources, parts)]),
+                          bias, sources)
 
+        def split_input(part: str, columns: slice) -> Linear | RowParallelLinear:
+            """A product whose input is split across ranks; its partial sums are all-reduced."""
+            if shard.world_size == 1:
+                return fused((part, slice(None)))
+            source = f"{prefix}.{part}.weight"
+            return RowParallelLinear(Linear(weights[source][:, columns].contiguous(),
+                                            sources=(source,)))
+
+        q_rows = head_rows(shard.q_heads(config), config.head_dim)
+        kv_rows = head_rows(shard.kv_heads(config), config.head_dim)
+        ffn = shard.ffn_columns(config)
         self.self_attn = Attention(
-            config, fused("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            fused("self_attn.o_proj"))
-        self.mlp = GatedMLP(fused("mlp.gate_proj", "mlp.up_proj"), fused("mlp.down_proj"))
+            shard.local_config(config),
+            fused(("self_attn.q_proj", q_rows), ("self_attn.k_proj", kv_rows),
+                  ("self_attn.v_proj", kv_rows)),
+            split_input("self_attn.o_proj", q_rows))
+        self.mlp = GatedMLP(fused(("mlp.gate_proj", ffn), ("mlp.up_proj", ffn)),
+                            split_input("mlp.down_proj", ffn))
         self.input_layernorm = RMSNorm(weights[f"{prefix}.input_layernorm.weight"],
                                        config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(
@@ -68,13 +93,16 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu",
+                 shard: TensorShard = TensorShard()) -> None:
+        """With a shard of several ranks, each decoder product keeps this rank's part only; the
+        embedding and lm_head are whole on every rank (docs/scaling.md says why)."""
         super().__init__()
         self.config = config
         weights = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
         self.embed_tokens = Embedding(weights["model.embed_tokens.weight"])
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, weights, f"model.layers.{i}") for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, weights, f"model.layers.{i}", shard)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
         if "lm_head.weight" in weights:
             self.lm_head = Linear(weights["lm_head.weight"], sources=("lm_head.weight",))

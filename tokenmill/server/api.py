@@ -100,7 +100,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if async_engine.accepting else 503)
+        # Unhealthy too once tensor-parallel workers failed, so a router stops sending here.
+        return Response(status_code=200 if async_engine.accepting and engine.healthy else 503)
 
     @app.get("/version")
     async def version() -> dict:

@@ -31,5 +31,8 @@ def serve(config: EngineConfig, host: str, port: int, settings: ServerSettings) 
           f"({runner.num_blocks:,} blocks of {runner.block_size}), max_model_len "
           f"{engine.max_model_len:,}, API key {'on' if settings.api_keys else 'off'}",
           flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="info",
-                timeout_graceful_shutdown=settings.shutdown_timeout)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info",
+                    timeout_graceful_shutdown=settings.shutdown_timeout)
+    finally:
+        engine.shutdown()

@@ -13,6 +13,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenmill.engine.metrics import EngineStats
+from tokenmill.spec.stats import SpecDecodeStats
 from tokenmill.outputs import RequestOutput
 
 logger = logging.getLogger("tokenmill.server")
@@ -66,6 +67,18 @@ class ServerMetrics:
                               "Requests waiting for a first schedule.").labels(model_name)
         self.kv_usage = metric(Gauge, "kv_cache_usage_perc",
                                "Fraction of KV blocks in use (1 = full).").labels(model_name)
+        self.spec_drafts = metric(Counter, "spec_decode_num_drafts",
+                                  "Request-steps that carried speculative proposals.")
+        self.spec_draft_tokens = metric(Counter, "spec_decode_num_draft_tokens",
+                                        "Speculative tokens proposed.")
+        self.spec_accepted_tokens = metric(Counter, "spec_decode_num_accepted_tokens",
+                                           "Speculative tokens accepted by the target model.")
+        self.spec_accepted_per_pos = metric(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                            "Speculative tokens accepted, by proposal position.",
+                                            ("position",))
+        self.spec_num_tokens = metric(Gauge, "spec_decode_num_speculative_tokens",
+                                      "Proposals per request that load and acceptance allow "
+                                      "now.").labels(model_name)
         self.stats: EngineStats | None = None
         self._last_token_time: dict[str, float] = {}  # engine thread only
         self._logged: tuple[float, EngineStats] | None = None
@@ -83,10 +96,25 @@ class ServerMetrics:
             delta = getattr(stats, attribute) - (getattr(previous, attribute) if previous else 0)
             if delta:
                 counter.labels(self.model_name).inc(delta)
+        if stats.spec_decode is not None:
+            self._observe_spec_decode(stats.spec_decode, previous.spec_decode if previous else None)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
         self.stats = stats
+
+    def _observe_spec_decode(self, spec: SpecDecodeStats,
+                             previous: SpecDecodeStats | None) -> None:
+        for counter, attribute in ((self.spec_drafts, "num_drafts"),
+                                   (self.spec_draft_tokens, "num_draft_tokens"),
+                                   (self.spec_accepted_tokens, "num_accepted_tokens")):
+            delta = getattr(spec, attribute) - (getattr(previous, attribute) if previous else 0)
+            if delta:
+                counter.labels(self.model_name).inc(delta)
+        for position, accepted in enumerate(spec.num_accepted_tokens_per_pos):
+            delta = accepted - (previous.num_accepted_tokens_per_pos[position] if previous else 0)
+            self.spec_accepted_per_pos.labels(self.model_name, str(position)).inc(delta)
+        self.spec_num_tokens.set(spec.current_num_speculative_tokens)
 
     def _observe_request(self, output: RequestOutput) -> None:
         m = output.metrics
@@ -122,7 +150,27 @@ class ServerMetrics:
         if not (generated or prompt or stats.num_running or stats.num_waiting):
             return None
         elapsed = max(now - last_time, 1e-9)
-        return (f"prompt {prompt / elapsed:.1f} tok/s, generation {generated / elapsed:.1f} tok/s,"
+        line = (f"prompt {prompt / elapsed:.1f} tok/s, generation {generated / elapsed:.1f} tok/s,"
                 f" running {stats.num_running}, waiting {stats.num_waiting}, "
                 f"KV cache {stats.kv_cache_usage:.1%}, prefix cache hit rate "
                 f"{stats.prefix_hit_rate:.1%}")
+        if stats.spec_decode is not None:
+            line += ", " + spec_decode_summary(stats.spec_decode, last.spec_decode)
+        return line
+
+
+def spec_decode_summary(spec: SpecDecodeStats, last: SpecDecodeStats | None) -> str:
+    """Acceptance since `last` (a snapshot of the same counters), as vLLM logs it."""
+    drafts = spec.num_drafts - (last.num_drafts if last else 0)
+    drafted = spec.num_draft_tokens - (last.num_draft_tokens if last else 0)
+    accepted = spec.num_accepted_tokens - (last.num_accepted_tokens if last else 0)
+    per_pos = []
+    for position, (a, d) in enumerate(zip(spec.num_accepted_tokens_per_pos,
+                                           spec.num_draft_tokens_per_pos)):
+        if last:
+            a -= last.num_accepted_tokens_per_pos[position]
+            d -= last.num_draft_tokens_per_pos[position]
+        per_pos.append(f"{a / d:.2f}" if d else "-")
+    return (f"spec decode: {drafted} drafted, acceptance {accepted / drafted if drafted else 0:.1%}"
+            f", mean accepted length {1 + accepted / drafts if drafts else 0:.2f}, per position "
+            f"{' '.join(per_pos)}, proposing {spec.current_num_speculative_tokens}")

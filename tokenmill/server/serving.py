@@ -28,7 +28,7 @@ from tokenmill.server.protocol import (AssistantMessage, ChatChoice, ChatChunkCh
                                        CompletionLogprobs, CompletionRequest, CompletionResponse,
                                        DeltaMessage, PromptTokensDetails, TokenLogprob,
                                        TopLogprob, Usage)
-from tokenmill.server.streaming import error_event, event, final_outputs, merge, owned, sse
+from tokenmill.server.streaming import EventStream, error_event, event, final_outputs, merge
 
 RETRY_AFTER_SECONDS = "1"
 
@@ -110,7 +110,8 @@ class OpenAIServing:
         streams = await self._submit("cmpl", raw_prompts, prompts, params, salt)
         request_id = streams[0].request_id.rpartition("-")[0]
         if request.stream:
-            return sse(self._completion_events(request_id, request, streams, prompts))
+            return EventStream(self._completion_events(request_id, request, streams, prompts),
+                               streams)
         outputs = await final_outputs(streams, raw)
         choices = [self._completion_choice(index * params.n + c.index, output, c, request,
                                            prompts[index], _Sent())
@@ -130,7 +131,7 @@ class OpenAIServing:
         streams = await self._submit("chatcmpl", [text], [prompt], params, salt)
         request_id = streams[0].request_id.rpartition("-")[0]
         if request.stream:
-            return sse(self._chat_events(request_id, request, streams[0]))
+            return EventStream(self._chat_events(request_id, request, streams[0]), streams)
         [output] = await final_outputs(streams, raw)
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
                               logprobs=self._chat_logprobs(c, request.top_logprobs or 0, 0),
@@ -209,28 +210,27 @@ class OpenAIServing:
         n = request.n
         sent = [_Sent() for _ in range(len(streams) * n)]
         final: dict[int, RequestOutput] = {}
-        async with owned(streams):
-            async for index, output in merge(streams):
-                if output.error:
-                    yield error_event(output.error)
-                    return
-                choices = []
-                for completion in output.outputs:
-                    progress = sent[index * n + completion.index]
-                    if progress.finished:
-                        continue
-                    choice = self._completion_choice(index * n + completion.index, output,
-                                                     completion, request, prompts[index],
-                                                     progress)
-                    progress.chars, progress.tokens = len(completion.text), \
-                        len(completion.token_ids)
-                    progress.echoed, progress.finished = True, completion.finished
-                    if choice.text or choice.finish_reason or choice.logprobs:
-                        choices.append(choice)
-                if choices:
-                    yield event(CompletionResponse(id=request_id, model=self.model_name,
-                                                    choices=choices))
-                final[index] = output
+        async for index, output in merge(streams):
+            if output.error:
+                yield error_event(output.error)
+                return
+            choices = []
+            for completion in output.outputs:
+                progress = sent[index * n + completion.index]
+                if progress.finished:
+                    continue
+                choice = self._completion_choice(index * n + completion.index, output,
+                                                 completion, request, prompts[index],
+                                                 progress)
+                progress.chars, progress.tokens = len(completion.text), \
+                    len(completion.token_ids)
+                progress.echoed, progress.finished = True, completion.finished
+                if choice.text or choice.finish_reason or choice.logprobs:
+                    choices.append(choice)
+            if choices:
+                yield event(CompletionResponse(id=request_id, model=self.model_name,
+                                                choices=choices))
+            final[index] = output
         if request.include_usage:
             yield event(CompletionResponse(id=request_id, model=self.model_name, choices=[],
                                             usage=_usage([final[i] for i in sorted(final)])))
@@ -261,30 +261,29 @@ class OpenAIServing:
 
         sent = [_Sent() for _ in range(request.n)]
         output = None
-        async with owned([stream]):
-            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                     content=""))
-                         for i in range(request.n)])
-            async for _, output in merge([stream]):
-                if output.error:
-                    yield error_event(output.error)
-                    return
-                choices = []
-                for completion, progress in zip(output.outputs, sent):
-                    if progress.finished:
-                        continue
-                    delta = completion.text[progress.chars:]
-                    logprobs = self._chat_logprobs(completion, request.top_logprobs or 0,
-                                                   progress.tokens)
-                    progress.chars, progress.tokens = len(completion.text), \
-                        len(completion.token_ids)
-                    progress.finished = completion.finished
-                    if delta or completion.finished:
-                        choices.append(ChatChunkChoice(
-                            index=completion.index, delta=DeltaMessage(content=delta or None),
-                            logprobs=logprobs, finish_reason=completion.finish_reason))
-                if choices:
-                    yield chunk(choices)
+        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                 content=""))
+                     for i in range(request.n)])
+        async for _, output in merge([stream]):
+            if output.error:
+                yield error_event(output.error)
+                return
+            choices = []
+            for completion, progress in zip(output.outputs, sent):
+                if progress.finished:
+                    continue
+                delta = completion.text[progress.chars:]
+                logprobs = self._chat_logprobs(completion, request.top_logprobs or 0,
+                                               progress.tokens)
+                progress.chars, progress.tokens = len(completion.text), \
+                    len(completion.token_ids)
+                progress.finished = completion.finished
+                if delta or completion.finished:
+                    choices.append(ChatChunkChoice(
+                        index=completion.index, delta=DeltaMessage(content=delta or None),
+                        logprobs=logprobs, finish_reason=completion.finish_reason))
+            if choices:
+                yield chunk(choices)
         if request.include_usage and output is not None:
             yield event(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],
                                              usage=_usage([output])))

@@ -28,9 +28,19 @@ def error_event(message: str) -> str:
     return f"data: {ErrorResponse(error=error.info).model_dump_json()}\n\ndata: [DONE]\n\n"
 
 
-def sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+class EventStream(StreamingResponse):
+    """A server-sent-event response that owns its engine streams for its whole life: however it
+    ends (finished, failed, or the client gone, even before the first byte went out, when the
+    event generator never started), every unfinished request is aborted."""
+
+    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with owned(self.streams):
+            await super().__call__(scope, receive, send)
 
 
 @contextlib.asynccontextmanager
