@@ -15,6 +15,6 @@ bench:
 # tokenmill against hf-generate, transformers serve and llama-server (docs/benchmarks.md)
 bench-peers: setup
 	bash scripts/build_peers.sh
-	tokenmill bench peers --datasets shared-prefix,mixed --concurrency 1,16 --num-prompts 8,32 \
-		--output-len 64 --hf-num-prompts 4 --max-duration 90 \
+	tokenmill bench peers --datasets shared-prefix,mixed --concurrency 1,16 --num-prompts 6,32 \
+		--output-len 64 --hf-num-prompts 4 --max-duration 60 \
 		--output-json benchmarks/results/bench_peers.json --plot-dir docs/img --plot-prefix bench_peers
