@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 
 import pytest
 import torch
+
+from tests.server_process import ServerProcess, start_server
 
 from tokenmill import LLM, EngineConfig
 from tokenmill.engine.engine import LLMEngine
@@ -44,3 +47,19 @@ def hf_smollm(smollm: LoadedModel):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         smollm.path.parent, gguf_file=smollm.path.name, dtype=torch.float32)
     return model.eval()
+
+
+SERVER_KV_BLOCKS = 512
+
+
+@pytest.fixture(scope="session")
+def tokenmill_server(tmp_path_factory) -> ServerProcess:
+    """One real `tokenmill serve` (fp32, 512 KV blocks) for the server and benchmark tests, started
+    once; at the end it must shut down gracefully with every KV block free."""
+    process = start_server(tmp_path_factory.mktemp("server") / "server.log",
+                           "--num-kv-blocks", str(SERVER_KV_BLOCKS), "--max-num-seqs", "64")
+    yield process
+    log = process.stop()
+    # uvicorn drains, then exits through the SIGTERM it caught, as a plain kill would.
+    assert process.process.returncode in (0, -signal.SIGTERM), log
+    assert f"shutdown: all {SERVER_KV_BLOCKS} KV blocks free" in log, log

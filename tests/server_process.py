@@ -1,8 +1,8 @@
 """A real `tokenmill serve` process on a free loopback port, for the end-to-end server tests.
 
-Tests run the real SmolLM2 weights in fp32 with one torch thread; benchmarks/bench_server.py
-launches it with the engine's defaults. `stop()` sends SIGTERM and returns the log, so a test
-module can check that the shutdown was graceful and every KV block came back.
+Tests run the real SmolLM2 weights in fp32 with one torch thread. `stop()` sends SIGTERM and
+returns the log, so a test module can check that the shutdown was graceful and every KV block
+came back.
 """
 
 from __future__ import annotations

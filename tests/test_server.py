@@ -1,6 +1,6 @@
 """End to end: one real `tokenmill serve` process on loopback, driven by the official `openai`
-client, httpx and lm-eval. The server starts once for the module and must shut down gracefully
-with every KV block free.
+client, httpx and lm-eval. The server (conftest's `tokenmill_server`) starts once for the session,
+also serves tests/test_bench.py, and must shut down gracefully with every KV block free.
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -16,23 +15,16 @@ import httpx
 import pytest
 
 from tests.prompts import CHAT_QUESTIONS, SYSTEM_PROMPT
-from tests.server_process import REPO_ROOT, ServerProcess, start_server
+from tests.server_process import REPO_ROOT, ServerProcess
 
 openai = pytest.importorskip("openai")
 
 MODEL = "smollm2-135m-instruct"
-NUM_KV_BLOCKS = 512
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> ServerProcess:
-    process = start_server(tmp_path_factory.mktemp("server") / "server.log",
-                           "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-seqs", "64")
-    yield process
-    log = process.stop()
-    # uvicorn drains, then exits through the SIGTERM it caught, as a plain kill would.
-    assert process.process.returncode in (0, -signal.SIGTERM), log
-    assert f"shutdown: all {NUM_KV_BLOCKS} KV blocks free" in log, log
+def server(tokenmill_server: ServerProcess) -> ServerProcess:
+    return tokenmill_server
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The `tokenmill` command: generate, serve, router and eval (and, as it lands, bench).
+"""The `tokenmill` command: generate, serve, router, eval and bench.
 
 Engine flags are derived from EngineConfig's fields, so a new option appears on every command at
 once. Errors print one line and exit with status 2; they never show a traceback.
@@ -15,6 +15,7 @@ import types
 import typing
 from pathlib import Path
 
+from tokenmill.bench.cli import add_bench_commands
 from tokenmill.config import EngineConfig
 from tokenmill.router.settings import add_router_args, router_settings
 
@@ -236,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(ev)
     # The reference is the unquantized model in bf16; a small KV pool is plenty for the inputs.
     ev.set_defaults(handler=_eval, dtype="bfloat16", kv_cache_memory=0.25)
+    add_bench_commands(commands)
     return parser
 
 

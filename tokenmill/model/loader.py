@@ -131,6 +131,16 @@ def load_model(model: str, dtype: torch.dtype) -> LoadedModel:
     return _load_gguf(path, dtype, cache_dir)
 
 
+def load_tokenizer(model: str) -> PreTrainedTokenizerFast:
+    """The tokenizer (with its chat template) of a model, without reading any weight."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return AutoTokenizer.from_pretrained(path)
+    cache_dir = cache_root() / (model if model in BUILTIN_MODELS else _file_cache_key(path))
+    metadata, _ = read_gguf_header(path)
+    return _gguf_tokenizer(path, cache_dir / "tokenizer", metadata.get("tokenizer.chat_template"))
+
+
 # --- built-in models -----------------------------------------------------------------------------
 
 def _resolve_builtin(builtin: BuiltinModel) -> Path:

@@ -56,6 +56,11 @@ class ServerMetrics:
         self.preemptions = metric(Counter, "num_preemptions", "Requests preempted.")
         self.request_success = metric(Counter, "request_success",
                                       "Finished requests by finish reason.", ("finished_reason",))
+        # Counters are exported from the start at 0, as vLLM's are, so a scrape before any
+        # preemption (a benchmark's "before") already shows them.
+        for counter in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries,
+                        self.prefix_cache_hits, self.preemptions):
+            counter.labels(model_name)
         self.running = metric(Gauge, "num_requests_running",
                               "Requests in the running batch.").labels(model_name)
         self.waiting = metric(Gauge, "num_requests_waiting",
