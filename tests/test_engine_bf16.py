@@ -1,5 +1,13 @@
-"""The fp32 invariants of test_engine.py in bf16, where batch shape changes the numerics: each
-scenario must agree with its plain reference on at least 95% of tokens."""
+"""The fp32 invariants of test_engine.py in bf16, where batch shape changes the numerics.
+
+oneDNN's bf16 products pick their kernel by row count, so the same row can round differently
+alone and in a batch (on AVX-512 BF16, `F.linear` of one row differs between M=1 and M=2). Greedy
+paths then part where two tokens are tied within bf16's resolution, and everything after differs.
+A position-by-position agreement share punishes one early tie with the whole tail (measured 85 to
+88% here), so these tests check what must hold instead: the runs agree token for token up to a
+divergence, and every divergence sits at a near-tie of the two top logprobs in one of the runs.
+A real bug moves logits by far more than two bf16 steps and fails this.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +16,26 @@ import pytest
 from tokenmill import SamplingParams
 from tests.prompts import SYSTEM_PROMPT, varied_prompts
 
-PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+# Two bf16 steps of a logit of magnitude 16 to 32 (bf16 keeps 8 significant bits).
+NEAR_TIE = 0.25
 
 
-def agreement(outputs, reference) -> float:
-    pairs = [(a, b) for o, r in zip(outputs, reference)
-             for a, b in zip(o.outputs[0].token_ids, r.outputs[0].token_ids)]
-    return sum(a == b for a, b in pairs) / len(pairs)
+def top2_margin(entry: dict[int, float]) -> float:
+    first, second = sorted(entry.values(), reverse=True)[:2]
+    return first - second
+
+
+def assert_parts_only_at_near_ties(outputs, reference) -> None:
+    for output, expected in zip(outputs, reference):
+        got, want = output.outputs[0], expected.outputs[0]
+        parted = next((i for i, (a, b) in enumerate(zip(got.token_ids, want.token_ids))
+                       if a != b), None)
+        if parted is None:
+            continue
+        margin = min(top2_margin(got.logprobs[parted]), top2_margin(want.logprobs[parted]))
+        assert margin <= NEAR_TIE, (output.prompt, parted, got.logprobs[parted],
+                                    want.logprobs[parted])
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +44,10 @@ def llm_bf16(make_llm):
 
 
 def test_bf16_batch_invariance(llm_bf16):
-    prompts = varied_prompts(8)
+    prompts = varied_prompts(16)
     batched = llm_bf16.generate(prompts, PARAMS)
     alone = [llm_bf16.generate([p], PARAMS)[0] for p in prompts]
-    assert agreement(batched, alone) >= 0.95
+    assert_parts_only_at_near_ties(batched, alone)
 
 
 def test_bf16_prefix_cache_preemption_and_chunked_prefill(make_llm, llm_bf16):
@@ -37,4 +58,4 @@ def test_bf16_prefix_cache_preemption_and_chunked_prefill(make_llm, llm_bf16):
     outputs = constrained.generate(prompts, PARAMS)
     stats = constrained.engine.stats()
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions >= 1
-    assert agreement(outputs, reference) >= 0.95
+    assert_parts_only_at_near_ties(outputs, reference)
