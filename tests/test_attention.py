@@ -60,7 +60,8 @@ def test_decode_matches_dense_reference(use_kernel, dtype):
     q = torch.randn(len(lens), HEADS, DIM).to(dtype)
     attn = PagedAttention(HEADS, KV_HEADS, DIM)
     meta = AttentionMetadata(torch.empty(0, dtype=torch.long), [], 0, block_tables, seq_lens, mask)
-    out = attn._decode(q, k_cache, v_cache, meta)
+    out = torch.empty_like(q)
+    attn._decode(q, k_cache, v_cache, meta, out)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (k, v) in enumerate(seqs):
         expected = dense_attention(q[i:i + 1].float(), k.float(), v.float(), lens[i] - 1)
@@ -137,7 +138,9 @@ def test_int8_decode_matches_dense_reference(use_kernel, dtype):
     seq_lens = torch.tensor(lens)
     mask = None if use_kernel else padding_mask(seq_lens, block_tables.shape[1] * BLOCK, dtype)
     meta = AttentionMetadata(torch.empty(0, dtype=torch.long), [], 0, block_tables, seq_lens, mask)
-    out = PagedAttention(HEADS, KV_HEADS, DIM)._decode(q, k_cache, v_cache, meta).float()
+    out = torch.empty_like(q)
+    PagedAttention(HEADS, KV_HEADS, DIM)._decode(q, k_cache, v_cache, meta, out)
+    out = out.float()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (k, v) in enumerate(seqs):
         k_read = dequantize_rows(quantize_rows(k), torch.float32)
@@ -154,11 +157,12 @@ def test_int8_decode_kernel_matches_fallback():
     lens, _, k_cache, v_cache, block_tables, q = int8_decode_case(torch.float32)
     seq_lens = torch.tensor(lens)
     attn = PagedAttention(HEADS, KV_HEADS, DIM)
-    kernel = attn._decode(q, k_cache, v_cache, AttentionMetadata(
-        torch.empty(0, dtype=torch.long), [], 0, block_tables, seq_lens, None))
-    fallback = attn._decode(q, k_cache, v_cache, AttentionMetadata(
+    kernel, fallback = torch.empty_like(q), torch.empty_like(q)
+    attn._decode(q, k_cache, v_cache, AttentionMetadata(
+        torch.empty(0, dtype=torch.long), [], 0, block_tables, seq_lens, None), kernel)
+    attn._decode(q, k_cache, v_cache, AttentionMetadata(
         torch.empty(0, dtype=torch.long), [], 0, block_tables, seq_lens,
-        padding_mask(seq_lens, block_tables.shape[1] * BLOCK, torch.float32)))
+        padding_mask(seq_lens, block_tables.shape[1] * BLOCK, torch.float32)), fallback)
     torch.testing.assert_close(kernel, fallback, atol=1e-6, rtol=1e-6)
 
 

@@ -1,9 +1,10 @@
-"""Hand-written CPU kernels, compiled on first use with torch's C++ extension builder.
+"""Hand-written CPU kernels (paged decode attention, fused layer steps), compiled on first use
+with torch's C++ extension builder.
 
 The build is cached (TORCH_EXTENSIONS_DIR), so only the first process on a machine pays the
 compile; the module's name carries a hash of the source, so checkouts with different sources never
-load or overwrite each other's build. When no compiler is available the callers fall back to plain PyTorch ops, which give
-the same results more slowly.
+load or overwrite each other's build. When no compiler is available the callers fall back to plain
+PyTorch ops, which give the same results more slowly.
 """
 
 from __future__ import annotations
@@ -14,19 +15,32 @@ import logging
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 logger = logging.getLogger("tokenmill.kernels")
+SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "linear_bf16.cpp")
+FUNCTIONS = ["paged_decode_attention", "rms_norm", "rotary_", "write_kv_cache", "linear_bf16",
+             "linear_bf16_available"]
 
 
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     from torch.utils.cpp_extension import load_inline
 
-    source = (Path(__file__).parent / "paged_attention.cpp").read_text()
+    source = "\n".join((Path(__file__).parent / name).read_text() for name in SOURCES)
     try:
         digest = hashlib.sha256(source.encode()).hexdigest()[:12]
         return load_inline(name=f"tokenmill_cpu_kernels_{digest}", cpp_sources=[source],
-                           functions=["paged_decode_attention"],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp-simd"])
+                           functions=FUNCTIONS,
+                           # -fopenmp, or at::parallel_for runs on one thread; no FMA
+                           # contraction: fused_ops.cpp rounds exactly as eager PyTorch does
+                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                           extra_ldflags=["-fopenmp"])
     except Exception as error:  # no compiler or headers: the PyTorch path still works
         logger.warning("CPU kernels unavailable, using PyTorch attention: %s", error)
         return None
+
+
+def fused_kernels(x: torch.Tensor) -> ModuleType | None:
+    """The kernels for a tensor on the CPU, when they built; None means: use PyTorch ops."""
+    return cpu_kernels() if x.device.type == "cpu" else None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels import cpu_kernels
+from tokenmill.kernels import cpu_kernels, fused_kernels
 from tokenmill.model.kv_int8 import dequantize_rows, quantize_rows
 
 
@@ -86,9 +86,13 @@ class PagedAttention:
                 # holds, so that a later step (a prefix-cache hit, a recompute after preemption)
                 # reads these tokens back as exactly these values.
                 k, v = dequantize_rows(cached_k, q.dtype), dequantize_rows(cached_v, q.dtype)
-        k_cache.view(-1, *cached_k.shape[1:]).index_copy_(0, meta.slot_mapping, cached_k)
-        v_cache.view(-1, *cached_v.shape[1:]).index_copy_(0, meta.slot_mapping, cached_v)
-        out = torch.empty_like(q)
+        kernels = fused_kernels(q)
+        if kernels is not None and k_cache.dtype == k.dtype:
+            kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            k_cache.view(-1, *cached_k.shape[1:]).index_copy_(0, meta.slot_mapping, cached_k)
+            v_cache.view(-1, *cached_v.shape[1:]).index_copy_(0, meta.slot_mapping, cached_v)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             if chunk.mask is None:  # nothing cached before this chunk: attend to itself only
@@ -99,8 +103,8 @@ class PagedAttention:
                     :chunk.context_len]
             out[rows] = self._prefill(q[rows], keys, values, chunk.mask)
         if meta.num_decodes:
-            out[meta.num_prefill_tokens:] = self._decode(
-                q[meta.num_prefill_tokens:], k_cache, v_cache, meta)
+            decodes = slice(meta.num_prefill_tokens, None)
+            self._decode(q[decodes], k_cache, v_cache, meta, out[decodes])
         return out
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -111,22 +115,22 @@ class PagedAttention:
         return out.transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """Writes the decode tokens' attention into `out` [B, H, D], contiguous."""
+        if meta.decode_mask is None:  # the C++ kernel reads the block tables in place
+            cpu_kernels().paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                                 meta.decode_seq_lens, self.scale, out)
+            return
         # Each KV head serves `group` query heads; treating those as the query length of one
         # head lets a single SDPA call cover the whole batch without repeating K/V.
-        if meta.decode_mask is None:
-            out = cpu_kernels().paged_decode_attention(
-                q.float().contiguous(), k_cache, v_cache, meta.decode_block_tables,
-                meta.decode_seq_lens, self.scale)
-            return out.to(q.dtype)
         batch = q.shape[0]
         tables = meta.decode_block_tables
         keys = _read(k_cache[tables], q.dtype).flatten(1, 2).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
         values = _read(v_cache[tables], q.dtype).flatten(1, 2).permute(0, 2, 1, 3)
         queries = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask,
-                                             scale=self.scale)
-        return out.reshape(batch, self.num_heads, self.head_dim)
+        result = F.scaled_dot_product_attention(queries, keys, values,
+                                                attn_mask=meta.decode_mask, scale=self.scale)
+        out.copy_(result.reshape(batch, self.num_heads, self.head_dim))
 
 
 def _read(cached: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 `Linear` is the one place a weight is multiplied and `Embedding` the one place rows are looked
 up; quantization and tensor parallelism swap them, so nothing else touches a weight matrix.
+On CPU, RMSNorm (with the residual add before it) and the rotary embedding run as one C++ call
+each (tokenmill/kernels/fused_ops.cpp), rounding as the PyTorch code beside them does.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenmill.kernels import cpu_kernels, fused_kernels
 
 
 class Linear(nn.Module):
@@ -24,13 +28,32 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.sources = sources
+        self.few_rows_kernel = _few_rows_kernel(self.weight)
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.few_rows_kernel and x.dim() == 2 and x.shape[0] <= FEW_ROWS_MAX \
+                and x.dtype == torch.bfloat16:
+            return cpu_kernels().linear_bf16(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+# Rows of x up to which the AVX-512 BF16 kernel (kernels/linear_bf16.cpp) runs instead of torch's
+# bf16 product, measured by benchmarks/bench_linear.py (results/linear_bf16.json): 1.1 to 6x
+# faster up to 8 rows; at 16, 1.3 to 1.8x on the layers' shapes and 0.9x on the lm_head; slower
+# at 64.
+FEW_ROWS_MAX = 16
+
+
+def _few_rows_kernel(weight: torch.Tensor) -> bool:
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.shape[0] % 4 \
+            or not weight.is_contiguous():
+        return False
+    kernels = cpu_kernels()
+    return kernels is not None and kernels.linear_bf16_available()
 
 
 class Embedding(nn.Module):
@@ -50,7 +73,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm(x); or, given the residual stream, residual += x in place and
+        (RMSNorm(residual), residual), so a layer's residual add and the next norm are one call."""
+        kernels = fused_kernels(x)
+        if kernels is not None and x.dim() == 2:
+            if residual is None:
+                return kernels.rms_norm(x, None, self.weight, self.eps)
+            return kernels.rms_norm(residual, x, self.weight, self.eps), residual
+        if residual is not None:
+            return self(residual.add_(x)), residual
         # Computed in fp32 like the reference implementation, so bf16 models keep their accuracy.
         dtype = x.dtype
         x = x.float()
@@ -78,6 +111,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated; the C++ kernel rotates x itself in place and returns it."""
+    kernels = fused_kernels(x)
+    if kernels is not None:
+        kernels.rotary_(x, cos, sin)
+        return x
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

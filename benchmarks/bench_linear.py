@@ -1,0 +1,67 @@
+"""The AVX-512 BF16 few-rows kernel against torch's bf16 product, per row count, on SmolLM2's
+shapes; it sets FEW_ROWS_MAX in tokenmill/model/layers.py.
+
+    python benchmarks/bench_linear.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.kernels import cpu_kernels
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# (out, in) of SmolLM2's products: qkv, o, gate_up, down, lm_head
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+
+
+def seconds(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default="1,2,4,8,16,64")
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--output-json", type=Path,
+                        default=REPO_ROOT / "benchmarks/results/linear_bf16.json")
+    args = parser.parse_args()
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.linear_bf16_available():
+        raise SystemExit("bench_linear: this CPU or build has no AVX-512 BF16 kernel")
+    results = []
+    print(f"{'rows':>5}{'out':>7}{'in':>6}{'torch us':>10}{'kernel us':>11}{'speed-up':>10}")
+    for out_features, in_features in SHAPES:
+        weight = torch.randn(out_features, in_features).bfloat16()
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, in_features).bfloat16()
+            torch_s = seconds(lambda: F.linear(x, weight), args.repeats)
+            kernel_s = seconds(lambda: kernels.linear_bf16(x, weight, None), args.repeats)
+            results.append({"rows": rows, "out_features": out_features,
+                            "in_features": in_features, "torch_us": torch_s * 1e6,
+                            "kernel_us": kernel_s * 1e6, "speedup": torch_s / kernel_s})
+            print(f"{rows:>5}{out_features:>7}{in_features:>6}{torch_s * 1e6:>10.0f}"
+                  f"{kernel_s * 1e6:>11.0f}{torch_s / kernel_s:>9.2f}x")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    args.output_json.parent.mkdir(parents=True, exist_ok=True)
+    args.output_json.write_text(json.dumps(
+        {"benchmark": "bench_linear", "commit": commit, "torch": torch.__version__,
+         "torch_threads": torch.get_num_threads(), "results": results}, indent=2))
+    print(f"saved {args.output_json}")
+
+
+if __name__ == "__main__":
+    main()

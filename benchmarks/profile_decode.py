@@ -1,0 +1,99 @@
+"""Where a decode step's time goes: torch.profiler over engine steps at a given batch size.
+
+Each of --batch-sizes runs its own batch: that many prompts (pydoc_data.topics slices of
+--prompt-len tokens) are prefilled, a few decode steps warm up, then --steps decode steps run
+under the profiler. It prints the step time and the top operators by self CPU time, and saves
+them as JSON, so a note can quote the profile a missed target asks for.
+
+    python benchmarks/profile_decode.py --batch-sizes 1,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from pydoc_data.topics import topics
+from torch.profiler import ProfilerActivity, profile
+
+from tokenmill import SamplingParams
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import LLMEngine
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def profile_batch(engine: LLMEngine, batch_size: int, prompt_len: int, steps: int,
+                  top: int, temperature: float) -> dict:
+    text = "\n\n".join(topics[key] for key in sorted(topics))
+    token_ids = engine.tokenize(text)
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=temperature,
+                            seed=0)
+    for i in range(batch_size):
+        engine.add_request(f"p{batch_size}-{i}", token_ids[i * prompt_len:(i + 1) * prompt_len],
+                           params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens
+              for r in engine.scheduler.running + list(engine.scheduler.waiting)):
+        engine.step()
+    for _ in range(3):  # warm-up decode steps
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        step_ms = (time.perf_counter() - start) / steps * 1e3
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total_us = sum(e.self_cpu_time_total for e in events)
+    rows = [{"op": e.key, "calls_per_step": e.count / steps,
+             "self_ms_per_step": e.self_cpu_time_total / steps / 1e3,
+             "share": e.self_cpu_time_total / total_us} for e in events[:top]]
+    ops_per_step = sum(e.count for e in events if e.key.startswith("aten::")) / steps
+    return {"batch_size": batch_size, "step_ms": step_ms,
+            "decode_tokens_per_s": batch_size / step_ms * 1e3,
+            "aten_ops_per_step": ops_per_step, "top_ops": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch-sizes", default="1,64")
+    parser.add_argument("--prompt-len", type=int, default=160)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--output-json", type=Path,
+                        default=REPO_ROOT / "benchmarks/results/profile_decode.json")
+    args = parser.parse_args()
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
+    results = []
+    for batch_size in (int(b) for b in args.batch_sizes.split(",")):
+        result = profile_batch(engine, batch_size, args.prompt_len, args.steps, args.top,
+                               args.temperature)
+        results.append(result)
+        print(f"\nbatch {batch_size}: {result['step_ms']:.1f} ms a step, "
+              f"{result['decode_tokens_per_s']:.1f} tokens/s, "
+              f"{result['aten_ops_per_step']:.0f} aten ops a step")
+        print(f"{'op':<44}{'calls':>8}{'ms':>9}{'share':>8}")
+        for row in result["top_ops"]:
+            print(f"{row['op'][:43]:<44}{row['calls_per_step']:>8.0f}"
+                  f"{row['self_ms_per_step']:>9.2f}{row['share']:>8.1%}")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    args.output_json.parent.mkdir(parents=True, exist_ok=True)
+    args.output_json.write_text(json.dumps(
+        {"benchmark": "profile_decode", "model": args.model,
+         "dtype": str(engine.runner.dtype), "commit": commit,
+         "temperature": args.temperature,
+         "torch_threads": torch.get_num_threads(), "results": results}, indent=2))
+    print(f"\nsaved {args.output_json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The C++ fused layer steps against the PyTorch code they replace, in float32 and bfloat16."""
+
+import pytest
+import torch
+
+from tokenmill.kernels import cpu_kernels
+from tokenmill.model import layers
+from tokenmill.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ compiler here")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def reference(fn):
+    """fn() run through the plain PyTorch path."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layers, "fused_kernels", lambda x: None)
+        return fn()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_rms_norm_matches_pytorch(dtype, tokens):
+    torch.manual_seed(tokens)
+    norm = RMSNorm((1 + torch.randn(576) / 4).to(dtype), 1e-5)
+    x = (torch.randn(tokens, 576) * 3).to(dtype)
+    expected = reference(lambda: norm(x))
+    # Only the order of the sum of squares differs: a float32 ulp of the scale, which in
+    # bfloat16 can move a value across a rounding boundary (one bfloat16 ulp, 2^-8 relative).
+    tolerance = 1e-6 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(norm(x), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_add_and_norm_match_pytorch(dtype):
+    torch.manual_seed(1)
+    norm = RMSNorm((1 + torch.randn(64) / 4).to(dtype), 1e-6)
+    x, residual = torch.randn(9, 64).to(dtype), torch.randn(9, 64).to(dtype)
+    expected_residual = residual + x  # one rounding, as the eager add
+    expected, ref_residual = reference(lambda: norm(x, residual.clone()))
+    out, new_residual = norm(x, residual)
+    assert new_residual is residual  # updated in place
+    torch.testing.assert_close(residual, expected_residual, atol=0, rtol=0)
+    torch.testing.assert_close(ref_residual, expected_residual, atol=0, rtol=0)
+    tolerance = 1e-6 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_is_bit_identical_on_a_qkv_view(dtype):
+    """The kernel rotates q inside the fused qkv output (a strided view) exactly as the eager
+    x * cos + rotate_half(x) * sin rounds."""
+    torch.manual_seed(2)
+    heads, kv_heads, head_dim, tokens = 9, 3, 64, 13
+    rotary = RotaryEmbedding(head_dim, 4096, 100000.0, dtype)
+    cos, sin = rotary.cos_sin(torch.randint(0, 4096, (tokens,)))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    expected = reference(lambda: apply_rotary(q, cos, sin))
+    assert expected.data_ptr() != q.data_ptr()
+    rotated = apply_rotary(q, cos, sin)
+    assert rotated.data_ptr() == q.data_ptr()
+    torch.testing.assert_close(rotated, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_cache_write_matches_index_copy(dtype):
+    torch.manual_seed(3)
+    blocks, block_size, kv_heads, head_dim = 6, 4, 3, 8
+    k_cache = torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    kv = torch.randn(5, 2 * kv_heads * head_dim).to(dtype)  # a strided view, like the qkv split
+    k = kv[:, :kv_heads * head_dim].view(5, kv_heads, head_dim)
+    v = kv[:, kv_heads * head_dim:].view(5, kv_heads, head_dim)
+    slots = torch.tensor([3, 9, 10, 22, 0])
+    cpu_kernels().write_kv_cache(k, v, k_cache, v_cache, slots)
+    expected_k = torch.zeros_like(k_cache)
+    expected_v = torch.zeros_like(v_cache)
+    expected_k.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+    expected_v.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_kernels().write_kv_cache(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 24]))
+
+
+@pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().linear_bf16_available(),
+                    reason="no AVX-512 BF16 here")
+@pytest.mark.parametrize("in_features", [576, 100])  # whole 32-wide chunks, and a masked tail
+def test_few_rows_bf16_linear(in_features):
+    """Close to the float product; a row's result doesn't depend on the rows beside it; Linear
+    takes the kernel up to FEW_ROWS_MAX rows."""
+    torch.manual_seed(4)
+    weight, bias = torch.randn(96, in_features).bfloat16(), torch.randn(96).bfloat16()
+    x = torch.randn(layers.FEW_ROWS_MAX, in_features).bfloat16()
+    out = cpu_kernels().linear_bf16(x, weight, bias)
+    expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(out.float(), expected, atol=0.05, rtol=2 ** -7)
+    for rows in (1, 3, 5):
+        assert torch.equal(cpu_kernels().linear_bf16(x[:rows], weight, bias), out[:rows])
+    linear = layers.Linear(weight, bias)
+    assert linear.few_rows_kernel
+    assert torch.equal(linear(x), out)
+    with pytest.raises(RuntimeError, match="multiple of 4"):
+        cpu_kernels().linear_bf16(x, weight[:95], None)

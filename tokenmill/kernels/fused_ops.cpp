@@ -1,0 +1,154 @@
+// Fused element-wise steps of a decoder layer: residual add + RMSNorm, rotary embedding, and the
+// KV cache write.
+//
+// In eager PyTorch each of these is 2 to 14 small operators, and at decode a step's operators
+// cost more in dispatch than in arithmetic (about 55 operators a layer). Each function here is one
+// call that rounds exactly where the operator sequence it replaces rounds: every intermediate the
+// eager code held in the model's dtype is rounded to that dtype here too, and the build turns off
+// FMA contraction, so the results match the eager code bit for bit in float32 and bfloat16 alike,
+// except for the order of RMSNorm's sum of squares.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+// What eager bf16/fp16 arithmetic does: compute in float, round to the dtype.
+template <typename T>
+inline T rounded(float value) {
+  return static_cast<T>(value);
+}
+
+template <typename T>
+void rms_norm_rows(T* residual, const T* addend, const T* weight, T* out, int64_t rows,
+                   int64_t width, int64_t residual_stride, int64_t addend_stride, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* x = residual + r * residual_stride;
+      if (addend != nullptr) {
+        const T* a = addend + r * addend_stride;
+        for (int64_t i = 0; i < width; ++i)
+          x[i] = rounded<T>(static_cast<float>(x[i]) + static_cast<float>(a[i]));
+      }
+      float sum = 0.f;
+      for (int64_t i = 0; i < width; ++i) {
+        const float v = static_cast<float>(x[i]);
+        sum += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
+      T* y = out + r * width;
+      for (int64_t i = 0; i < width; ++i) {
+        // weight * (x * inv).to(dtype): two roundings in a reduced dtype, as in the reference
+        const T normed = rounded<T>(static_cast<float>(x[i]) * inv);
+        y[i] = rounded<T>(static_cast<float>(weight[i]) * static_cast<float>(normed));
+      }
+    }
+  });
+}
+
+template <typename T>
+void rotate_heads(T* x, const T* cos, const T* sin, int64_t tokens, int64_t heads,
+                  int64_t head_dim, int64_t token_stride, int64_t head_stride) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * head_dim;
+      const T* s = sin + t * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = x + t * token_stride + h * head_stride;
+        for (int64_t i = 0; i < half; ++i) {
+          const float lo = static_cast<float>(v[i]), hi = static_cast<float>(v[i + half]);
+          // x * cos + rotate_half(x) * sin, each product rounded, then the sum
+          const float lo_cos = static_cast<float>(rounded<T>(lo * static_cast<float>(c[i])));
+          const float hi_sin = static_cast<float>(rounded<T>(hi * static_cast<float>(s[i])));
+          const float hi_cos =
+              static_cast<float>(rounded<T>(hi * static_cast<float>(c[i + half])));
+          const float lo_sin =
+              static_cast<float>(rounded<T>(lo * static_cast<float>(s[i + half])));
+          v[i] = rounded<T>(lo_cos - hi_sin);
+          v[i + half] = rounded<T>(hi_cos + lo_sin);
+        }
+      }
+    }
+  });
+}
+
+void check_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() >= 2 && x.stride(-1) == 1, name, ": rows must be contiguous");
+}
+
+}  // namespace
+
+// RMSNorm of x [T, width] (rows contiguous, any row stride); returns a new [T, width] tensor.
+// With `addend`, first residual += addend in place (x is then the residual stream).
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> addend, torch::Tensor weight,
+                       double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: x [T, width] and a contiguous weight of its dtype");
+  const int64_t rows = x.size(0), width = x.size(1);
+  if (addend) {
+    check_rows(*addend, "addend");
+    TORCH_CHECK(addend->sizes() == x.sizes() && addend->scalar_type() == x.scalar_type(),
+                "rms_norm: addend must match x");
+  }
+  auto out = torch::empty({rows, width}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(),
+                            addend ? addend->data_ptr<scalar_t>() : nullptr,
+                            weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), rows, width,
+                            x.stride(0), addend ? addend->stride(0) : 0,
+                            static_cast<float>(eps));
+  });
+  return out;
+}
+
+// Rotate-half rotary embedding, in place, on x [T, heads, head_dim] (a view into the fused qkv
+// product is fine: rows of head_dim must be contiguous); cos and sin are [T, head_dim].
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary_: x [T, heads, head_dim], rows contiguous");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == x.scalar_type() &&
+                  cos.size(0) == x.size(0) && cos.size(-1) == x.size(2) && x.size(2) % 2 == 0,
+              "rotary_: cos and sin contiguous [T, head_dim] in x's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_", [&] {
+    rotate_heads<scalar_t>(x.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(),
+                           sin.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2),
+                           x.stride(0), x.stride(1));
+  });
+}
+
+// cache[slot_mapping[t]] = rows[t] for K and V alike: rows [T, Hkv, D] (rows contiguous, any token
+// and head stride), caches [num_blocks, block_size, Hkv, D] contiguous, of the rows' dtype.
+void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k.sizes() == v.sizes(),
+              "write_kv_cache: k and v [T, Hkv, D] with contiguous rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k.scalar_type(),
+              "write_kv_cache: contiguous caches of the rows' dtype");
+  TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),
+              "write_kv_cache: cache rows don't match");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.numel() == k.size(0),
+              "write_kv_cache: one int64 slot a token");
+  slot_mapping = slot_mapping.contiguous();
+  const int64_t tokens = k.size(0), heads = k.size(1), head_dim = k.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv_cache: slot out of range");
+  const int64_t row_bytes = head_dim * k.element_size();
+  auto copy = [&](const torch::Tensor& rows, torch::Tensor& cache) {
+    const char* src = static_cast<const char*>(rows.data_ptr());
+    char* dst = static_cast<char*>(cache.data_ptr());
+    const int64_t token_stride = rows.stride(0) * rows.element_size();
+    const int64_t head_stride = rows.stride(1) * rows.element_size();
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        std::memcpy(dst + (slots[t] * heads + h) * row_bytes,
+                    src + t * token_stride + h * head_stride, row_bytes);
+  };
+  copy(k, k_cache);
+  copy(v, v_cache);
+}
