@@ -189,3 +189,32 @@ def test_int8_prefill_attends_to_what_the_cache_holds():
     last = attn.forward(q[-tail:], k[-tail:], v[-tail:], k_cache, v_cache, AttentionMetadata(
         slots[-tail:], [chunk], tail, None, None, None))
     torch.testing.assert_close(last, whole[-tail:], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_on_model_shapes(dtype):
+    """SmolLM2's shapes (9 query heads on 3 KV heads, head_dim 64, blocks of 16), where the kernel
+    takes its 16-rows-at-a-time path, with sequences ending anywhere in a block: the kernel
+    equals the SDPA fallback."""
+    if cpu_kernels() is None:
+        pytest.skip("no C++ compiler here")
+    torch.manual_seed(6)
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    lens = [1, 15, 16, 17, 40, 100]
+    k_cache = torch.randn(32, block, kv_heads, dim).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    blocks = torch.randperm(32).tolist()
+    tables = [[blocks.pop() for _ in range(-(-n // block))] for n in lens]
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    seq_lens = torch.tensor(lens)
+    q = torch.randn(len(lens), heads, dim).to(dtype)
+    attn = PagedAttention(heads, kv_heads, dim)
+    kernel, fallback = torch.empty_like(q), torch.empty_like(q)
+    attn._decode(q, k_cache, v_cache, AttentionMetadata(
+        torch.empty(0, dtype=torch.long), [], 0, block_tables, seq_lens, None), kernel)
+    attn._decode(q, k_cache, v_cache, AttentionMetadata(
+        torch.empty(0, dtype=torch.long), [], 0, block_tables, seq_lens,
+        padding_mask(seq_lens, width * block, dtype)), fallback)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(kernel.float(), fallback.float(), atol=tolerance, rtol=tolerance)

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -139,15 +140,105 @@ inline void softmax_(float* s, int64_t n) {
 }
 #endif
 
-// Calls fn(t, token) for each of a sequence's first `len` cached tokens (all KV heads of a token
-// are adjacent), walking its block table block by block, so the reads are sequential in memory.
+// Scores of one query head against `count` consecutive cached rows (row i at rows + i * stride),
+// and the weighted sum of such rows into acc: the plain versions go row by row.
+template <typename T>
+void score_rows(const float* query, const T* rows, int64_t stride, int64_t count, int64_t head_dim,
+                float scale, float* scores, float* scratch) {
+  for (int64_t i = 0; i < count; ++i)
+    scores[i] = dot(query, as_floats(rows + i * stride, head_dim, scratch), head_dim) * scale;
+}
+
+template <typename T>
+void accumulate_rows(const float* weights, const T* rows, int64_t stride, int64_t count,
+                     int64_t head_dim, float* acc, float* scratch) {
+  for (int64_t i = 0; i < count; ++i)
+    add_scaled(weights[i], as_floats(rows + i * stride, head_dim, scratch), acc, head_dim);
+}
+
+#if defined(__AVX512F__)
+// Sixteen rows at a time for float and bfloat16 caches: one horizontal sum (a transpose-add of 16
+// registers) for 16 dot products instead of one each, and the weighted sum in registers.
+constexpr int64_t kRun = 16;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// out[i] = the sum of v[i]'s 16 lanes.
+inline __m512 sum_each(__m512 v[16]) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+}
+
+// All 16 rows are read (the caller guarantees they lie inside one block); scores past `count`
+// are not stored, and no lane mixes two rows, so a stale row changes nothing.
+template <typename T>
+void score_run(const float* query, const T* rows, int64_t stride, int64_t count, int64_t head_dim,
+               float scale, float* scores) {
+  __m512 sums[kRun];
+#pragma GCC unroll 16
+  for (int i = 0; i < kRun; ++i) sums[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < head_dim; c += 16) {
+    const __m512 q = _mm512_loadu_ps(query + c);
+#pragma GCC unroll 16
+    for (int i = 0; i < kRun; ++i) sums[i] = _mm512_fmadd_ps(q, load16(rows + i * stride + c), sums[i]);
+  }
+  _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << count) - 1),
+                        _mm512_mul_ps(sum_each(sums), _mm512_set1_ps(scale)));
+}
+
+// head_dim a multiple of 64: four registers of acc at a time.
+template <typename T>
+void accumulate_run(const float* weights, const T* rows, int64_t stride, int64_t count,
+                    int64_t head_dim, float* acc) {
+  for (int64_t c = 0; c < head_dim; c += 64) {
+    __m512 a0 = _mm512_loadu_ps(acc + c), a1 = _mm512_loadu_ps(acc + c + 16);
+    __m512 a2 = _mm512_loadu_ps(acc + c + 32), a3 = _mm512_loadu_ps(acc + c + 48);
+    for (int64_t i = 0; i < count; ++i) {
+      const __m512 w = _mm512_set1_ps(weights[i]);
+      const T* row = rows + i * stride + c;
+      a0 = _mm512_fmadd_ps(w, load16(row), a0);
+      a1 = _mm512_fmadd_ps(w, load16(row + 16), a1);
+      a2 = _mm512_fmadd_ps(w, load16(row + 32), a2);
+      a3 = _mm512_fmadd_ps(w, load16(row + 48), a3);
+    }
+    _mm512_storeu_ps(acc + c, a0);
+    _mm512_storeu_ps(acc + c + 16, a1);
+    _mm512_storeu_ps(acc + c + 32, a2);
+    _mm512_storeu_ps(acc + c + 48, a3);
+  }
+}
+
+template <typename T>
+constexpr bool kVectorRows = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+#endif
+
+// Calls fn(t, rows, room, count) for each run of a sequence's first `len` cached tokens that lies
+// in one block: `count` tokens from token t, `room` rows before the block ends. A token's KV heads
+// are adjacent, so the walk reads the pool sequentially.
 template <typename T, typename Fn>
-inline void for_each_token(const T* cache, const int64_t* table, int64_t len, int64_t block_size,
-                           int64_t token_stride, Fn fn) {
+inline void for_each_run(const T* cache, const int64_t* table, int64_t len, int64_t block_size,
+                         int64_t token_stride, int64_t run, Fn fn) {
   for (int64_t block = 0, t = 0; t < len; ++block) {
     const T* tokens = cache + table[block] * block_size * token_stride;
-    const int64_t count = std::min(block_size, len - t);
-    for (int64_t i = 0; i < count; ++i, ++t) fn(t, tokens + i * token_stride);
+    for (int64_t offset = 0; offset < block_size && t < len; offset += run) {
+      const int64_t count = std::min({run, block_size - offset, len - t});
+      fn(t, tokens + offset * token_stride, block_size - offset, count);
+      t += count;
+    }
   }
 }
 
@@ -160,6 +251,12 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
             int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * row_width;
+#if defined(__AVX512F__)
+  const bool vector_rows = kVectorRows<T> && head_dim % 64 == 0;
+  const int64_t run = vector_rows ? kRun : block_size;
+#else
+  const int64_t run = block_size;
+#endif
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, row(head_dim), acc(num_heads * head_dim);
     std::vector<float> queries(num_heads * head_dim);
@@ -168,22 +265,42 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
       const int64_t* table = block_tables + b * max_blocks;
       load_row(q + b * q_token_stride, num_heads * head_dim, queries.data());
       scores.resize(num_heads * len);  // [head][t]
-      for_each_token(k_cache, table, len, block_size, token_stride,
-                     [&](int64_t t, const T* token) {
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-          const float* key = as_floats(token + h * row_width, head_dim, row.data());
-          for (int64_t g = h * group; g < (h + 1) * group; ++g)
-            scores[g * len + t] = dot(queries.data() + g * head_dim, key, head_dim) * scale;
+      for_each_run(k_cache, table, len, block_size, token_stride, run,
+                   [&](int64_t t, const T* tokens, int64_t room, int64_t count) {
+        for (int64_t g = 0; g < num_heads; ++g) {
+          const T* rows = tokens + (g / group) * row_width;
+          float* out_scores = scores.data() + g * len + t;
+#if defined(__AVX512F__)
+          if constexpr (kVectorRows<T>) {
+            if (vector_rows && room >= kRun) {
+              score_run(queries.data() + g * head_dim, rows, token_stride, count, head_dim,
+                        scale, out_scores);
+              continue;
+            }
+          }
+#endif
+          score_rows(queries.data() + g * head_dim, rows, token_stride, count, head_dim, scale,
+                     out_scores, row.data());
         }
       });
       for (int64_t g = 0; g < num_heads; ++g) softmax_(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_token(v_cache, table, len, block_size, token_stride,
-                     [&](int64_t t, const T* token) {
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-          const float* value = as_floats(token + h * row_width, head_dim, row.data());
-          for (int64_t g = h * group; g < (h + 1) * group; ++g)
-            add_scaled(scores[g * len + t], value, acc.data() + g * head_dim, head_dim);
+      for_each_run(v_cache, table, len, block_size, token_stride, run,
+                   [&](int64_t t, const T* tokens, int64_t, int64_t count) {
+        for (int64_t g = 0; g < num_heads; ++g) {
+          const T* rows = tokens + (g / group) * row_width;
+          const float* weights = scores.data() + g * len + t;
+#if defined(__AVX512F__)
+          if constexpr (kVectorRows<T>) {
+            if (vector_rows) {
+              accumulate_run(weights, rows, token_stride, count, head_dim,
+                             acc.data() + g * head_dim);
+              continue;
+            }
+          }
+#endif
+          accumulate_rows(weights, rows, token_stride, count, head_dim, acc.data() + g * head_dim,
+                          row.data());
         }
       });
       Q* dst = out + b * num_heads * head_dim;
