@@ -1,0 +1,88 @@
+"""Decode attention: the C++ paged kernel against the SDPA fallback (gather blocks + padding mask),
+per batch size and context length, on SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64,
+blocks of 16), one layer's call. The time x 30 is what a decode step of the model spends in it.
+
+    python benchmarks/bench_attention.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from tokenmill.kernels import cpu_kernels
+from tokenmill.model.attention import AttentionMetadata, PagedAttention, padding_mask
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
+
+
+def seconds(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def case(batch: int, context: int, dtype: torch.dtype, repeats: int) -> dict:
+    blocks_per_seq = -(-context // BLOCK)
+    k_cache = torch.randn(batch * blocks_per_seq + 1, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(k_cache.shape[0] - 1) + 1  # scattered, as in a used pool
+    tables = order[:batch * blocks_per_seq].view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), context)
+    q = torch.randn(batch, HEADS, HEAD_DIM).to(dtype)
+    out = torch.empty_like(q)
+    attention = PagedAttention(HEADS, KV_HEADS, HEAD_DIM)
+    empty = torch.empty(0, dtype=torch.long)
+    kernel_meta = AttentionMetadata(empty, [], 0, tables, seq_lens, None)
+    fallback_meta = AttentionMetadata(empty, [], 0, tables, seq_lens,
+                                      padding_mask(seq_lens, blocks_per_seq * BLOCK, dtype))
+    kernel = seconds(lambda: attention._decode(q, k_cache, v_cache, kernel_meta, out), repeats)
+    fallback = seconds(lambda: attention._decode(q, k_cache, v_cache, fallback_meta, out),
+                       repeats)
+    return {"batch": batch, "context": context, "dtype": str(dtype)[6:],
+            "kernel_ms": kernel * 1e3, "sdpa_fallback_ms": fallback * 1e3,
+            "kernel_ms_per_step": kernel * 1e3 * LAYERS, "speedup": fallback / kernel}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default="1x170,16x170,16x1000,64x300",
+                        help="BATCHxCONTEXT, comma-separated")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--output-json", type=Path,
+                        default=REPO_ROOT / "benchmarks/results/attention_decode.json")
+    args = parser.parse_args()
+    if cpu_kernels() is None:
+        raise SystemExit("bench_attention: the C++ kernels did not build here")
+    results = []
+    print(f"{'dtype':<10}{'batch':>6}{'context':>8}{'kernel ms':>11}{'SDPA ms':>9}"
+          f"{'speed-up':>10}{'x30 layers ms':>15}")
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
+        for spec in args.cases.split(","):
+            batch, context = (int(v) for v in spec.split("x"))
+            r = case(batch, context, dtype, args.repeats)
+            results.append(r)
+            print(f"{r['dtype']:<10}{batch:>6}{context:>8}{r['kernel_ms']:>11.3f}"
+                  f"{r['sdpa_fallback_ms']:>9.3f}{r['speedup']:>9.1f}x"
+                  f"{r['kernel_ms_per_step']:>15.1f}")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    args.output_json.parent.mkdir(parents=True, exist_ok=True)
+    args.output_json.write_text(json.dumps(
+        {"benchmark": "bench_attention", "commit": commit, "torch": torch.__version__,
+         "torch_threads": torch.get_num_threads(), "results": results}, indent=2))
+    print(f"saved {args.output_json}")
+
+
+if __name__ == "__main__":
+    main()
