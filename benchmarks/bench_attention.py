@@ -1,6 +1,8 @@
-"""Decode attention: the C++ paged kernel against the SDPA fallback (gather blocks + padding mask),
-per batch size and context length, on SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64,
-blocks of 16), one layer's call. The time x 30 is what a decode step of the model spends in it.
+"""Attention: the C++ paged kernel against torch's SDPA, on SmolLM2's shapes (9 query heads, 3 KV
+heads, head_dim 64, blocks of 16), one layer's call; x 30 is what the model's step spends in it.
+Decode, per batch size and context length: the kernel against the SDPA fallback (gather blocks +
+padding mask). Prefill of a fresh chunk, per length: the kernel (each query token over the cache
+up to its position) against causal SDPA on the chunk.
 
     python benchmarks/bench_attention.py
 """
@@ -16,7 +18,8 @@ from pathlib import Path
 import torch
 
 from tokenmill.kernels import cpu_kernels
-from tokenmill.model.attention import AttentionMetadata, PagedAttention, padding_mask
+from tokenmill.model.attention import (AttentionMetadata, PagedAttention, padding_mask,
+                                       prefill_chunk)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
@@ -53,14 +56,35 @@ def case(batch: int, context: int, dtype: torch.dtype, repeats: int) -> dict:
             "kernel_ms_per_step": kernel * 1e3 * LAYERS, "speedup": fallback / kernel}
 
 
+def prefill_case(length: int, dtype: torch.dtype, repeats: int) -> dict:
+    blocks = -(-length // BLOCK)
+    k_cache = torch.zeros(blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    q = torch.randn(length, HEADS, HEAD_DIM).to(dtype)
+    k = torch.randn(length, KV_HEADS, HEAD_DIM).to(dtype)
+    v = torch.randn(length, KV_HEADS, HEAD_DIM).to(dtype)
+    table = torch.arange(blocks)
+    attention = PagedAttention(HEADS, KV_HEADS, HEAD_DIM)
+    timings = {}
+    for path, use_kernel in (("kernel", True), ("sdpa", False)):
+        chunk = prefill_chunk(0, length, length, table, use_kernel, dtype, q.device)
+        meta = AttentionMetadata(torch.arange(length), [chunk], length, None, None, None)
+        timings[path] = seconds(lambda: attention.forward(q, k, v, k_cache, v_cache, meta),
+                                repeats)
+    return {"prefill_len": length, "dtype": str(dtype)[6:], "kernel_ms": timings["kernel"] * 1e3,
+            "sdpa_ms": timings["sdpa"] * 1e3, "kernel_ms_per_step": timings["kernel"] * 1e3 * LAYERS,
+            "speedup": timings["sdpa"] / timings["kernel"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default="1x170,16x170,16x1000,64x300",
                         help="BATCHxCONTEXT, comma-separated")
+    parser.add_argument("--prefill-lens", default="160,1000,2048")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--output-json", type=Path,
-                        default=REPO_ROOT / "benchmarks/results/attention_decode.json")
+                        default=REPO_ROOT / "benchmarks/results/attention.json")
     args = parser.parse_args()
     if cpu_kernels() is None:
         raise SystemExit("bench_attention: the C++ kernels did not build here")
@@ -75,6 +99,14 @@ def main() -> None:
             print(f"{r['dtype']:<10}{batch:>6}{context:>8}{r['kernel_ms']:>11.3f}"
                   f"{r['sdpa_fallback_ms']:>9.3f}{r['speedup']:>9.1f}x"
                   f"{r['kernel_ms_per_step']:>15.1f}")
+    print(f"\n{'dtype':<10}{'prefill':>8}{'kernel ms':>11}{'SDPA ms':>9}{'speed-up':>10}"
+          f"{'x30 layers ms':>15}")
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
+        for length in (int(v) for v in args.prefill_lens.split(",")):
+            r = prefill_case(length, dtype, max(2, args.repeats // 4))
+            results.append(r)
+            print(f"{r['dtype']:<10}{length:>8}{r['kernel_ms']:>11.2f}{r['sdpa_ms']:>9.2f}"
+                  f"{r['speedup']:>9.1f}x{r['kernel_ms_per_step']:>15.1f}")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                             text=True).stdout.strip()
     args.output_json.parent.mkdir(parents=True, exist_ok=True)

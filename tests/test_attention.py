@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tokenmill.kernels import cpu_kernels
-from tokenmill.model.attention import (AttentionMetadata, PagedAttention, PrefillChunk,
-                                       causal_mask_with_prefix, padding_mask)
+from tokenmill.model.attention import (AttentionMetadata, PagedAttention, padding_mask,
+                                       prefill_chunk)
 from tokenmill.model.kv_int8 import SCALE_BYTES, dequantize_rows, quantize_rows
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 16, 4
@@ -68,14 +68,24 @@ def test_decode_matches_dense_reference(use_kernel, dtype):
         torch.testing.assert_close(out[i:i + 1].float(), expected, atol=tolerance, rtol=tolerance)
 
 
-def test_prefill_with_cached_prefix_matches_dense_reference():
+PREFILL_PATHS = [pytest.param(True, id="kernel"), pytest.param(False, id="sdpa")]
+
+
+def skip_without_kernel(use_kernel: bool) -> None:
+    if use_kernel and cpu_kernels() is None:
+        pytest.skip("no C++ compiler here")
+
+
+@pytest.mark.parametrize("use_kernel", PREFILL_PATHS)
+def test_prefill_with_cached_prefix_matches_dense_reference(use_kernel):
+    skip_without_kernel(use_kernel)
     torch.manual_seed(1)
     context, query = 19, 6
     k, v = torch.randn(context, KV_HEADS, DIM), torch.randn(context, KV_HEADS, DIM)
     k_cache, v_cache, [table] = scattered_cache([(k, v)], torch.float32)
     q = torch.randn(query, HEADS, DIM)
-    chunk = PrefillChunk(0, query, context, torch.tensor(table),
-                         causal_mask_with_prefix(query, context, torch.float32, q.device))
+    chunk = prefill_chunk(0, query, context, torch.tensor(table), use_kernel, torch.float32,
+                          q.device)
     slots = torch.tensor([table[t // BLOCK] * BLOCK + t % BLOCK
                           for t in range(context - query, context)])
     meta = AttentionMetadata(slots, [chunk], query, None, None, None)
@@ -85,15 +95,17 @@ def test_prefill_with_cached_prefix_matches_dense_reference():
                                atol=1e-5, rtol=1e-5)
 
 
-def test_fresh_prefill_is_causal_self_attention():
+@pytest.mark.parametrize("use_kernel", PREFILL_PATHS)
+def test_fresh_prefill_is_causal_self_attention(use_kernel):
+    skip_without_kernel(use_kernel)
     torch.manual_seed(2)
     n = 9
     q, k, v = torch.randn(n, HEADS, DIM), torch.randn(n, KV_HEADS, DIM), torch.randn(
         n, KV_HEADS, DIM)
     k_cache = torch.zeros(8, BLOCK, KV_HEADS, DIM)
     v_cache = torch.zeros_like(k_cache)
-    meta = AttentionMetadata(torch.arange(n), [PrefillChunk(0, n, n, torch.arange(3), None)], n,
-                             None, None, None)
+    chunk = prefill_chunk(0, n, n, torch.arange(3), use_kernel, torch.float32, q.device)
+    meta = AttentionMetadata(torch.arange(n), [chunk], n, None, None, None)
     out = PagedAttention(HEADS, KV_HEADS, DIM).forward(q, k, v, k_cache, v_cache, meta)
     torch.testing.assert_close(out, dense_attention(q, k, v, 0), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_cache.flatten(0, 1)[:n], k)  # K/V written into their slots
@@ -166,9 +178,11 @@ def test_int8_decode_kernel_matches_fallback():
     torch.testing.assert_close(kernel, fallback, atol=1e-6, rtol=1e-6)
 
 
-def test_int8_prefill_attends_to_what_the_cache_holds():
+@pytest.mark.parametrize("use_kernel", PREFILL_PATHS)
+def test_int8_prefill_attends_to_what_the_cache_holds(use_kernel):
     """A fresh prefill writes int8 rows and attends to their de-quantized values, so a later
     chunk over the cached prefix sees the same K/V: both equal dense attention over them."""
+    skip_without_kernel(use_kernel)
     torch.manual_seed(5)
     n, tail = 11, 4
     q, k, v = torch.randn(n, HEADS, DIM), torch.randn(n, KV_HEADS, DIM), torch.randn(
@@ -179,13 +193,13 @@ def test_int8_prefill_attends_to_what_the_cache_holds():
     table = torch.tensor([5, 2, 7])
     slots = torch.tensor([int(table[t // BLOCK]) * BLOCK + t % BLOCK for t in range(n)])
     whole = attn.forward(q, k, v, k_cache, v_cache, AttentionMetadata(
-        slots, [PrefillChunk(0, n, n, table, None)], n, None, None, None))
+        slots, [prefill_chunk(0, n, n, table, use_kernel, torch.float32, q.device)], n, None,
+        None, None))
     k_read = dequantize_rows(quantize_rows(k), torch.float32)
     v_read = dequantize_rows(quantize_rows(v), torch.float32)
     torch.testing.assert_close(whole, dense_attention(q, k_read, v_read, 0), atol=1e-5, rtol=1e-5)
     assert torch.equal(dequantize_rows(k_cache[table].flatten(0, 1)[:n], torch.float32), k_read)
-    chunk = PrefillChunk(0, tail, n, table, causal_mask_with_prefix(tail, n, torch.float32,
-                                                                    q.device))
+    chunk = prefill_chunk(0, tail, n, table, use_kernel, torch.float32, q.device)
     last = attn.forward(q[-tail:], k[-tail:], v[-tail:], k_cache, v_cache, AttentionMetadata(
         slots[-tail:], [chunk], tail, None, None, None))
     torch.testing.assert_close(last, whole[-tail:], atol=1e-6, rtol=1e-6)

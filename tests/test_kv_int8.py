@@ -2,18 +2,22 @@
 closeness to the float cache.
 
 The layout and the attention paths are proven in test_attention.py; these tests prove that the
-engine's greedy output stays identical alone and batched, with a prefix-cache hit, after a
-preemption and with chunked prefill, when every token's K/V round-trips through int8.
+engine's greedy output stays identical alone and batched, with a prefix-cache hit and with chunked
+prefill, when every token's K/V round-trips through int8; after a preemption it may part only at
+a near-tie (see that test).
 """
 
 from __future__ import annotations
 
 import pytest
 
+from tests.near_ties import assert_parts_only_at_near_ties
 from tests.prompts import SYSTEM_PROMPT, varied_prompts
 from tokenmill import EngineConfig, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+# One int8 step of a K or V row (its absmax / 127) moves a logit by hundredths, not tenths.
+INT8_KV_NEAR_TIE = 0.05
 
 
 def token_ids(outputs) -> list[list[int]]:
@@ -65,13 +69,17 @@ def test_prefix_cache_hit_keeps_output(make_llm, llm_kv_int8) -> None:
 
 
 def test_preemption_keeps_output(make_llm, llm_kv_int8) -> None:
+    """A preempted request recomputes its generated tokens' K/V as a prefill: products of many
+    rows, where decode computed them one row at a time, and fp32 products can differ in the last
+    bit by row count. int8 rounding can turn that bit into a code one step away, so this run may
+    part from the reference, but only at a near-tie (measured: 0.022 apart)."""
     prompts = varied_prompts(4)
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    reference = token_ids(llm_kv_int8.generate(prompts, params, use_tqdm=False))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
+    reference = llm_kv_int8.generate(prompts, params, use_tqdm=False)
     small = make_llm(kv_cache_dtype="int8", num_kv_blocks=8, block_size=16)
     outputs = small.generate(prompts, params, use_tqdm=False)
     assert small.engine.stats().num_preemptions >= 1
-    assert token_ids(outputs) == reference
+    assert_parts_only_at_near_ties(outputs, reference, margin=INT8_KV_NEAR_TIE)
     assert small.engine.stats().num_kv_blocks_used == 0
 
 

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tokenmill.model.attention import (AttentionMetadata, PrefillChunk, causal_mask_with_prefix,
-                                       padding_mask)
+from tokenmill.model.attention import AttentionMetadata, padding_mask, prefill_chunk
 
 _STOP = -1
 _HEADER = 5  # tokens, prefill chunks, decodes, decode table width, payload length
@@ -67,10 +66,9 @@ def receive_step(group: dist.ProcessGroup, device: torch.device, dtype: torch.dt
     extents = extents_flat.view(num_prefills, 4).tolist()
     prefills, offset = [], 0
     for query_start, query_len, context_len, num_blocks in extents:
-        mask = None if query_len == context_len else causal_mask_with_prefix(
-            query_len, context_len, dtype, device)
-        prefills.append(PrefillChunk(query_start, query_len, context_len,
-                                     rest[offset:offset + num_blocks].to(device), mask))
+        prefills.append(prefill_chunk(query_start, query_len, context_len,
+                                      rest[offset:offset + num_blocks].to(device),
+                                      use_decode_kernel, dtype, device))
         offset += num_blocks
     tables = seq_lens = decode_mask = None
     if num_decodes:

@@ -22,8 +22,8 @@ from tokenmill.distributed.shard import TensorShard
 from tokenmill.distributed.worker_group import WorkerGroup
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledChunk, SchedulerOutput
-from tokenmill.model.attention import (AttentionMetadata, PrefillChunk, causal_mask_with_prefix,
-                                       decode_kernel_available, padding_mask)
+from tokenmill.model.attention import (AttentionMetadata, decode_kernel_available, padding_mask,
+                                       prefill_chunk)
 from tokenmill.model.kv_int8 import cache_row
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import LoadedModel
@@ -171,7 +171,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampled: list[ScheduledChunk] = []
         prompt_logprob_chunks: list[tuple[ScheduledChunk, int]] = []
-        prefills: list[PrefillChunk] = []
+        prefills = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         num_prefill_tokens = 0
@@ -197,10 +197,9 @@ class ModelRunner:
                 decode_tables.append(blocks[:num_blocks])
                 decode_lens.append(end)
             else:
-                mask = None if start == 0 else causal_mask_with_prefix(
-                    chunk.num_new_tokens, end, self.dtype, self.device)
-                prefills.append(PrefillChunk(query_start, chunk.num_new_tokens, end,
-                                             self._tensor(blocks[:num_blocks]), mask))
+                prefills.append(prefill_chunk(query_start, chunk.num_new_tokens, end,
+                                              self._tensor(blocks[:num_blocks]),
+                                              self.use_decode_kernel, self.dtype, self.device))
                 num_prefill_tokens += chunk.num_new_tokens
         decode_block_tables = decode_seq_lens = decode_mask = None
         if decode_tables:

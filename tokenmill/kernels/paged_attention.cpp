@@ -248,7 +248,7 @@ template <typename Q, typename T>
 void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cache,
             const int64_t* block_tables, const int64_t* seq_lens, Q* out, int64_t batch,
             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t row_width,
-            int64_t block_size, int64_t max_blocks, float scale) {
+            int64_t block_size, int64_t table_stride, float scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * row_width;
 #if defined(__AVX512F__)
@@ -262,7 +262,7 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
     std::vector<float> queries(num_heads * head_dim);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t len = seq_lens[b];
-      const int64_t* table = block_tables + b * max_blocks;
+      const int64_t* table = block_tables + b * table_stride;
       load_row(q + b * q_token_stride, num_heads * head_dim, queries.data());
       scores.resize(num_heads * len);  // [head][t]
       for_each_run(k_cache, table, len, block_size, token_stride, run,
@@ -314,7 +314,9 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
 // q [B, H, D] in float32, bfloat16 or float16, its head_dim rows contiguous and its heads
 // adjacent (a view into the fused qkv product is fine); caches [num_blocks, block_size, Hkv, row]
 // of q's dtype (row = D), or int8 (row = D + 4: codes, then the scale's bytes); block_tables
-// [B, max_blocks] int64; seq_lens [B] int64. Writes [B, H, D] into `out`, contiguous, of q's dtype.
+// [B, max_blocks] int64 (rows contiguous; a row stride of 0 gives every query one table, as for
+// the tokens of one prefill chunk, each its own "sequence" ending at its position); seq_lens [B]
+// int64. Writes [B, H, D] into `out`, contiguous, of q's dtype.
 void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                             torch::Tensor out) {
@@ -333,13 +335,13 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   const int64_t row_width = k_cache.size(3);
   TORCH_CHECK(row_width == head_dim + (int8_cache ? 4 : 0), "cache rows: ", row_width,
               " elements for head_dim ", head_dim);
-  block_tables = block_tables.contiguous();
+  if (block_tables.stride(1) != 1) block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode", [&] {
     auto run = [&](auto* k, auto* v) {
       decode(q.data_ptr<scalar_t>(), q.stride(0), k, v, block_tables.data_ptr<int64_t>(),
              seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), batch, num_heads,
-             num_kv_heads, head_dim, row_width, block_size, block_tables.size(1),
+             num_kv_heads, head_dim, row_width, block_size, block_tables.stride(0),
              static_cast<float>(scale));
     };
     if (int8_cache) {
