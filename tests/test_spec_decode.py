@@ -302,6 +302,40 @@ def test_throttle_follows_acceptance_and_step_cost():
     assert throttle.num_tokens(8) == 4  # 8 tokens cost 8 ms < 18 ms gained at full acceptance
 
 
+def test_throttle_measures_a_proposal_before_trusting_it():
+    """With every timed step of one size the slope is unknown, not zero: the throttle
+    alternates all and no proposals until two sizes were timed, then decides by cost."""
+    throttle = SpeculationThrottle(4, disable_batch_size=None)
+    throttle.step_cost.observe(80, 0.150)  # 16 requests x (1 + 4), as when speculation starts
+    assert not throttle.step_cost.measured
+    assert [throttle.num_tokens(16) for _ in range(4)] == [4, 0, 4, 0]
+    throttle.step_cost.observe(16, 0.050)  # a plain step: a token now costs ~1.6 ms
+    assert throttle.step_cost.measured
+    for _ in range(100):
+        throttle.observe_acceptance(4, 0)  # 1 in 4 accepted at the first position only
+        throttle.observe_acceptance(4, 0)
+        throttle.observe_acceptance(4, 0)
+        throttle.observe_acceptance(4, 1)
+    assert throttle.num_tokens(16) == 0  # 25% of a 50 ms step < 16 x 1.6 ms
+
+
+def test_engine_times_only_decode_steps_for_the_throttle(make_llm):
+    """Prefill steps run large products at another cost per token; fitting them made a proposed
+    token look half as costly as it is at decode."""
+    llm = make_llm(speculative_method="ngram", num_speculative_tokens=2)
+    observed: list[int] = []
+    speculator = llm.engine.speculator
+    original = speculator.observe_step
+    speculator.observe_step = lambda tokens, seconds: (observed.append(tokens),
+                                                       original(tokens, seconds))
+    prompts = varied_prompts(3)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    decode_most = len(prompts) * (1 + 2)  # every request's last token and its 2 proposals
+    assert sum(len(llm.engine.tokenize(p)) for p in prompts) > decode_most
+    assert observed and max(observed) <= decode_most  # the prefill step was not timed
+
+
 def test_a_draft_with_another_vocabulary_is_refused(smollm):
     other = dataclasses.replace(smollm, config=dataclasses.replace(smollm.config,
                                                                    vocab_size=32000))

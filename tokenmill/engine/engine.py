@@ -170,7 +170,8 @@ class LLMEngine:
                                               result.logprobs):
             self._append_tokens(chunk, token_ids, logprobs, now)
         if self.speculator is not None:
-            self.speculator.observe_step(scheduled.num_batched_tokens, elapsed)
+            if all(c.num_new_tokens - c.num_spec_tokens == 1 for c in scheduled.chunks):
+                self.speculator.observe_step(scheduled.num_batched_tokens, elapsed)  # decode
             self.speculator.propose(self.scheduler.running)
         if self.config.debug_checks:
             self.kv_cache.check_invariants(self.scheduler.running)

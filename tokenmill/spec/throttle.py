@@ -1,7 +1,9 @@
 """SpeculationThrottle: how many tokens to propose on the next step, from load and acceptance.
 
 With B running requests a target step costs about fixed + per_token * tokens seconds, a line fit
-online to the engine's own measured steps. Proposal position i adds B tokens to the verifying
+online to the engine's own decode steps (prefill steps run large products at another cost per
+token, and fitting them too read a proposed token as half its decode cost). Until two step sizes
+were seen the slope is unknown, and the throttle alternates all and no proposals to learn it. Proposal position i adds B tokens to the verifying
 step (per_token * B) and, for a draft model, one draft pass; it gains B * r_i tokens in
 expectation, r_i being the product of the measured acceptance rates of positions 1..i, and each
 token is worth a plain step's cost / B. So position i is proposed while
@@ -19,6 +21,7 @@ PRIOR_ACCEPTANCE = 0.7  # before anything is measured: optimistic enough to try 
 SMOOTHING = 0.05  # weight of each new observation in the running averages
 COST_DECAY = 0.98  # forgetting factor of the step-cost fit, per step
 PROBE_INTERVAL = 16
+MIN_TOKENS_VARIANCE = 1.0  # of step sizes, in tokens squared: below it the slope is unknown
 
 
 @dataclass(slots=True)
@@ -38,14 +41,20 @@ class StepCostModel:
         self.sum_tokens_seconds = self.sum_tokens_seconds * COST_DECAY + num_tokens * seconds
 
     @property
+    def measured(self) -> bool:
+        """Steps of different sizes were seen, so the slope means something."""
+        if self.weight == 0.0:
+            return False
+        mean_tokens = self.sum_tokens / self.weight
+        return self.sum_tokens_sq / self.weight - mean_tokens ** 2 >= MIN_TOKENS_VARIANCE
+
+    @property
     def per_token(self) -> float:
         """Seconds one more token adds to a step; 0 until steps of different sizes were seen."""
-        if self.weight == 0.0:
+        if not self.measured:
             return 0.0
         mean_tokens = self.sum_tokens / self.weight
         variance = self.sum_tokens_sq / self.weight - mean_tokens ** 2
-        if variance < 1e-6:
-            return 0.0
         covariance = self.sum_tokens_seconds / self.weight - mean_tokens * self.sum_seconds \
             / self.weight
         return max(covariance / variance, 0.0)
@@ -67,6 +76,7 @@ class SpeculationThrottle:
     draft_pass_seconds: float = 0.0  # one draft forward over the batch; 0 for n-gram
     acceptance: list[float] = field(default_factory=list)  # P(accept i | accepted all before)
     steps_since_proposal: int = 0
+    exploring: bool = False  # the last step proposed while the step cost was unmeasured
 
     def __post_init__(self) -> None:
         self.acceptance = [PRIOR_ACCEPTANCE] * self.num_speculative_tokens
@@ -77,6 +87,11 @@ class SpeculationThrottle:
             return 0
         if not self.adaptive:
             return self.num_speculative_tokens
+        if not self.step_cost.measured:
+            # Until decode steps of two sizes were timed, a proposal's cost is unknown (a slope
+            # of 0 would call it free): alternate all and none, so the next steps measure it.
+            self.exploring = not self.exploring
+            return self.num_speculative_tokens if self.exploring else 0
         plain = self.step_cost.seconds(num_running)
         extra = self.step_cost.per_token * num_running + self.draft_pass_seconds
         count, reach = 0, 1.0
