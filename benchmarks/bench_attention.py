@@ -10,9 +10,7 @@ up to its position) against causal SDPA on the chunk.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -21,17 +19,10 @@ from tokenmill.kernels import cpu_kernels
 from tokenmill.model.attention import (AttentionMetadata, PagedAttention, padding_mask,
                                        prefill_chunk)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO_ROOT, save_report, seconds  # noqa: E402
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
-
-
-def seconds(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats
 
 
 def case(batch: int, context: int, dtype: torch.dtype, repeats: int) -> dict:
@@ -107,13 +98,8 @@ def main() -> None:
             results.append(r)
             print(f"{r['dtype']:<10}{length:>8}{r['kernel_ms']:>11.2f}{r['sdpa_ms']:>9.2f}"
                   f"{r['speedup']:>9.1f}x{r['kernel_ms_per_step']:>15.1f}")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    args.output_json.parent.mkdir(parents=True, exist_ok=True)
-    args.output_json.write_text(json.dumps(
-        {"benchmark": "bench_attention", "commit": commit, "torch": torch.__version__,
-         "torch_threads": torch.get_num_threads(), "results": results}, indent=2))
-    print(f"saved {args.output_json}")
+    save_report(args.output_json, "bench_attention", torch_threads=torch.get_num_threads(),
+                results=results)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import resource
 import statistics
@@ -35,7 +34,9 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.model.loader import DEFAULT_MODEL, resolve_model_path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO_ROOT, git_commit, machine_info  # noqa: E402
+
 ENGINES = ("hf_generate", "hf_generate_batch", "tokenmill")
 MIN_PROMPT_LEN, MAX_PROMPT_LEN, WARMUP_PROMPT_LEN = 20, 300, 32
 TARGETS = {"tokenmill_over_hf_generate_batch_throughput": 15.0,
@@ -232,32 +233,6 @@ def run_engine(engine: str, spec: Spec) -> Result:
         subprocess.run([sys.executable, __file__, "--worker", str(spec_path), str(result_path)],
                        check=True, env=os.environ | {"TQDM_DISABLE": "1"})
         return json.loads(result_path.read_text())
-
-
-def machine_info() -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model_names = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                   if line.startswith("model name")]
-    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
-                      if line.startswith("flags")), []))
-    return {
-        "cpu_model": model_names[0] if model_names else platform.processor(),
-        "cpus": len(os.sched_getaffinity(0)),
-        "cpu_flags": {flag: flag in flags for flag in
-                      ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")},
-        "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "torch_default_threads": torch.get_num_threads(),
-    }
-
-
-def git_commit() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD"),
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 def ratios(results: dict[str, Result]) -> dict[str, float | None]:

@@ -7,9 +7,7 @@ shapes; it sets FEW_ROWS_MAX in tokenmill/model/layers.py.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -17,18 +15,10 @@ import torch.nn.functional as F
 
 from tokenmill.kernels import cpu_kernels
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO_ROOT, save_report, seconds  # noqa: E402
 # (out, in) of SmolLM2's products: qkv, o, gate_up, down, lm_head
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
-
-
-def seconds(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) / repeats
 
 
 def main() -> None:
@@ -54,13 +44,8 @@ def main() -> None:
                             "kernel_us": kernel_s * 1e6, "speedup": torch_s / kernel_s})
             print(f"{rows:>5}{out_features:>7}{in_features:>6}{torch_s * 1e6:>10.0f}"
                   f"{kernel_s * 1e6:>11.0f}{torch_s / kernel_s:>9.2f}x")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    args.output_json.parent.mkdir(parents=True, exist_ok=True)
-    args.output_json.write_text(json.dumps(
-        {"benchmark": "bench_linear", "commit": commit, "torch": torch.__version__,
-         "torch_threads": torch.get_num_threads(), "results": results}, indent=2))
-    print(f"saved {args.output_json}")
+    save_report(args.output_json, "bench_linear", torch_threads=torch.get_num_threads(),
+                results=results)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import build_prompts, git_commit, machine_info  # noqa: E402
+from bench_engine import build_prompts  # noqa: E402
+from common import git_commit, machine_info  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.model.loader import DEFAULT_MODEL, resolve_model_path  # noqa: E402

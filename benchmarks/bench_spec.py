@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import git_commit, machine_info  # noqa: E402
+from common import git_commit, machine_info  # noqa: E402
 
 from tokenmill import LLM, EngineConfig, SamplingParams  # noqa: E402
 from tokenmill.engine.engine import LLMEngine  # noqa: E402

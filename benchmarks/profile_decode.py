@@ -12,8 +12,7 @@ CPU time, and saves them as JSON, so a note can quote the profile a missed targe
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,7 +24,8 @@ from tokenmill import SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO_ROOT, save_report  # noqa: E402
 
 
 def profile_batch(engine: LLMEngine, batch_size: int, prompt_len: int, steps: int,
@@ -110,15 +110,9 @@ def main() -> None:
         for row in result["top_ops"]:
             print(f"{row['op'][:43]:<44}{row['calls_per_step']:>8.0f}"
                   f"{row['self_ms_per_step']:>9.2f}{row['share']:>8.1%}")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    args.output_json.parent.mkdir(parents=True, exist_ok=True)
-    args.output_json.write_text(json.dumps(
-        {"benchmark": "profile_decode", "model": args.model,
-         "dtype": str(engine.runner.dtype), "commit": commit,
-         "temperature": args.temperature,
-         "torch_threads": torch.get_num_threads(), "results": results}, indent=2))
-    print(f"\nsaved {args.output_json}")
+    save_report(args.output_json, "profile_decode", model=args.model,
+                dtype=str(engine.runner.dtype), temperature=args.temperature,
+                torch_threads=torch.get_num_threads(), results=results)
 
 
 if __name__ == "__main__":

@@ -168,14 +168,21 @@ def test_int8_decode_kernel_matches_fallback():
         pytest.skip("no C++ compiler here")
     lens, _, k_cache, v_cache, block_tables, q = int8_decode_case(torch.float32)
     seq_lens = torch.tensor(lens)
-    attn = PagedAttention(HEADS, KV_HEADS, DIM)
-    kernel, fallback = torch.empty_like(q), torch.empty_like(q)
-    attn._decode(q, k_cache, v_cache, AttentionMetadata(
-        torch.empty(0, dtype=torch.long), [], 0, block_tables, seq_lens, None), kernel)
-    attn._decode(q, k_cache, v_cache, AttentionMetadata(
-        torch.empty(0, dtype=torch.long), [], 0, block_tables, seq_lens,
-        padding_mask(seq_lens, block_tables.shape[1] * BLOCK, torch.float32)), fallback)
+    kernel, fallback = kernel_and_fallback(PagedAttention(HEADS, KV_HEADS, DIM), q, k_cache,
+                                           v_cache, block_tables, seq_lens, BLOCK)
     torch.testing.assert_close(kernel, fallback, atol=1e-6, rtol=1e-6)
+
+
+def kernel_and_fallback(attn, q, k_cache, v_cache, block_tables, seq_lens, block):
+    """The decode outputs of the C++ kernel and of the SDPA fallback, for the same inputs."""
+    empty = torch.empty(0, dtype=torch.long)
+    kernel, fallback = torch.empty_like(q), torch.empty_like(q)
+    attn._decode(q, k_cache, v_cache,
+                 AttentionMetadata(empty, [], 0, block_tables, seq_lens, None), kernel)
+    mask = padding_mask(seq_lens, block_tables.shape[1] * block, q.dtype)
+    attn._decode(q, k_cache, v_cache,
+                 AttentionMetadata(empty, [], 0, block_tables, seq_lens, mask), fallback)
+    return kernel, fallback
 
 
 @pytest.mark.parametrize("use_kernel", PREFILL_PATHS)
@@ -223,12 +230,7 @@ def test_decode_kernel_on_model_shapes(dtype):
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     seq_lens = torch.tensor(lens)
     q = torch.randn(len(lens), heads, dim).to(dtype)
-    attn = PagedAttention(heads, kv_heads, dim)
-    kernel, fallback = torch.empty_like(q), torch.empty_like(q)
-    attn._decode(q, k_cache, v_cache, AttentionMetadata(
-        torch.empty(0, dtype=torch.long), [], 0, block_tables, seq_lens, None), kernel)
-    attn._decode(q, k_cache, v_cache, AttentionMetadata(
-        torch.empty(0, dtype=torch.long), [], 0, block_tables, seq_lens,
-        padding_mask(seq_lens, width * block, dtype)), fallback)
+    kernel, fallback = kernel_and_fallback(PagedAttention(heads, kv_heads, dim), q, k_cache,
+                                           v_cache, block_tables, seq_lens, block)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(kernel.float(), fallback.float(), atol=tolerance, rtol=tolerance)
