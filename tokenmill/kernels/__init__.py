@@ -2,8 +2,9 @@
 with torch's C++ extension builder.
 
 The build is cached (TORCH_EXTENSIONS_DIR), so only the first process on a machine pays the
-compile; the module's name carries a hash of the source, so checkouts with different sources never
-load or overwrite each other's build. When no compiler is available the callers fall back to plain
+compile; the module's name carries a hash of the source, the flags and the CPU's features, so
+checkouts with different sources, or CPUs with different instructions, never load or overwrite
+each other's build. When no compiler is available the callers fall back to plain
 PyTorch ops, which give the same results more slowly.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import platform
 from pathlib import Path
 from types import ModuleType
 
@@ -21,6 +23,9 @@ logger = logging.getLogger("tokenmill.kernels")
 SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "linear_bf16.cpp")
 FUNCTIONS = ["paged_decode_attention", "rms_norm", "rotary_", "write_kv_cache", "linear_bf16",
              "linear_bf16_available"]
+# -fopenmp, or at::parallel_for runs on one thread; no FMA contraction: fused_ops.cpp rounds
+# exactly as eager PyTorch does.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
 
 @functools.cache
@@ -29,16 +34,25 @@ def cpu_kernels() -> ModuleType | None:
 
     source = "\n".join((Path(__file__).parent / name).read_text() for name in SOURCES)
     try:
-        digest = hashlib.sha256(source.encode()).hexdigest()[:12]
+        # -march=native: a build is only valid on CPUs with the same features, so they name it
+        # too (a home directory can outlive the machine it was built on).
+        key = "\n".join([source, *CFLAGS, _cpu_features()])
+        digest = hashlib.sha256(key.encode()).hexdigest()[:12]
         return load_inline(name=f"tokenmill_cpu_kernels_{digest}", cpp_sources=[source],
-                           functions=FUNCTIONS,
-                           # -fopenmp, or at::parallel_for runs on one thread; no FMA
-                           # contraction: fused_ops.cpp rounds exactly as eager PyTorch does
-                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                           extra_ldflags=["-fopenmp"])
+                           functions=FUNCTIONS, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
     except Exception as error:  # no compiler or headers: the PyTorch path still works
         logger.warning("CPU kernels unavailable, using PyTorch attention: %s", error)
         return None
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags (Linux), else its architecture name."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    return platform.machine()
 
 
 def fused_kernels(x: torch.Tensor) -> ModuleType | None:
