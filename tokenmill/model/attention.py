@@ -2,10 +2,11 @@
 
 One step's tokens are laid out flat: the prefill chunks first (one per sequence, any length), then
 the decode tokens (one per sequence). With the C++ kernel, a prefill chunk's tokens are attended
-like decode tokens, each over the cache up to its own position; without it, SDPA does it. `AttentionMetadata` is built once per step by the model
-runner and shared by every layer. This module never allocates or frees blocks; it only reads and
-writes the slots it is given. A GPU backend replaces `PagedAttention.forward` and nothing else.
-An int8 cache (kv_int8.py) is written quantized and read de-quantized, by every path alike.
+like decode tokens, each over the cache up to its own position; without it, SDPA does it.
+`AttentionMetadata` is built once per step by the model runner and shared by every layer. This
+module never allocates or frees blocks; it only reads and writes the slots it is given. A GPU
+backend replaces `PagedAttention.forward` and nothing else. An int8 cache (kv_int8.py) is written
+quantized and read de-quantized, by every path alike.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ class PagedAttention:
         cached_k, cached_v = k, v
         if k_cache.dtype == torch.int8:
             cached_k, cached_v = quantize_rows(torch.stack((k, v))).unbind()  # one pass for both
-            if meta.prefills:
-                # A fresh prefill attends to this step's K/V directly; give it what the cache
+            if any(chunk.seq_lens is None for chunk in meta.prefills):
+                # SDPA prefill attends to this step's K/V directly; give it what the cache
                 # holds, so that a later step (a prefix-cache hit, a recompute after preemption)
                 # reads these tokens back as exactly these values.
                 k, v = dequantize_rows(cached_k, q.dtype), dequantize_rows(cached_v, q.dtype)

@@ -3,14 +3,14 @@
 With B running requests a target step costs about fixed + per_token * tokens seconds, a line fit
 online to the engine's own decode steps (prefill steps run large products at another cost per
 token, and fitting them too read a proposed token as half its decode cost). Until two step sizes
-were seen the slope is unknown, and the throttle alternates all and no proposals to learn it. Proposal position i adds B tokens to the verifying
-step (per_token * B) and, for a draft model, one draft pass; it gains B * r_i tokens in
-expectation, r_i being the product of the measured acceptance rates of positions 1..i, and each
-token is worth a plain step's cost / B. So position i is proposed while
-r_i * cost(B) >= per_token * B + draft pass. When that rules out everything, one position is
-still proposed every PROBE_INTERVAL steps so acceptance stays measured. Above
-`speculative_disable_batch_size` running requests nothing is proposed. With
-`speculative_adaptive` off, only that load limit applies.
+were seen the slope is unknown, and the throttle alternates all and no proposals to learn it.
+Proposal position i adds B tokens to the verifying step (per_token * B) and, for a draft model, one
+draft pass; it gains B * r_i tokens in expectation, r_i being the product of the measured
+acceptance rates of positions 1..i, and each token is worth a plain step's cost / B. So position i
+is proposed while r_i * cost(B) >= per_token * B + draft pass. When that rules out everything, one
+position is still proposed every PROBE_INTERVAL steps so acceptance stays measured. Above
+`speculative_disable_batch_size` running requests nothing is proposed. With `speculative_adaptive`
+off, only that load limit applies.
 """
 
 from __future__ import annotations
@@ -40,13 +40,14 @@ class StepCostModel:
         self.sum_tokens_sq = self.sum_tokens_sq * COST_DECAY + num_tokens * num_tokens
         self.sum_tokens_seconds = self.sum_tokens_seconds * COST_DECAY + num_tokens * seconds
 
+    def _tokens_variance(self) -> float:
+        mean_tokens = self.sum_tokens / self.weight
+        return self.sum_tokens_sq / self.weight - mean_tokens ** 2
+
     @property
     def measured(self) -> bool:
         """Steps of different sizes were seen, so the slope means something."""
-        if self.weight == 0.0:
-            return False
-        mean_tokens = self.sum_tokens / self.weight
-        return self.sum_tokens_sq / self.weight - mean_tokens ** 2 >= MIN_TOKENS_VARIANCE
+        return self.weight > 0.0 and self._tokens_variance() >= MIN_TOKENS_VARIANCE
 
     @property
     def per_token(self) -> float:
@@ -54,7 +55,7 @@ class StepCostModel:
         if not self.measured:
             return 0.0
         mean_tokens = self.sum_tokens / self.weight
-        variance = self.sum_tokens_sq / self.weight - mean_tokens ** 2
+        variance = self._tokens_variance()
         covariance = self.sum_tokens_seconds / self.weight - mean_tokens * self.sum_seconds \
             / self.weight
         return max(covariance / variance, 0.0)
