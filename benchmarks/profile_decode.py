@@ -87,6 +87,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none", help="none, int8, int4 or gguf")
+    parser.add_argument("--quant-group-size", type=int, default=128)
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--prompt-len", type=int, default=160)
     parser.add_argument("--steps", type=int, default=10)
@@ -95,7 +97,9 @@ def main() -> None:
     parser.add_argument("--output-json", type=Path,
                         default=REPO_ROOT / "benchmarks/results/profile_decode.json")
     args = parser.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype,
+                                    quantization=args.quantization,
+                                    quant_group_size=args.quant_group_size))
     results = []
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
         result = profile_batch(engine, batch_size, args.prompt_len, args.steps, args.top,
@@ -111,7 +115,8 @@ def main() -> None:
             print(f"{row['op'][:43]:<44}{row['calls_per_step']:>8.0f}"
                   f"{row['self_ms_per_step']:>9.2f}{row['share']:>8.1%}")
     save_report(args.output_json, "profile_decode", model=args.model,
-                dtype=str(engine.runner.dtype), temperature=args.temperature,
+                dtype=str(engine.runner.dtype), quantization=args.quantization,
+                quant_group_size=args.quant_group_size, temperature=args.temperature,
                 torch_threads=torch.get_num_threads(), results=results)
 
 

@@ -21,9 +21,9 @@ from tokenmill.model.loader import GGUFBlocks
 from tokenmill.quant.gguf import gguf_linear
 from tokenmill.quant.int4 import Int4Linear
 from tokenmill.quant.int8 import Int8Linear
-from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedEmbedding, QuantizedLinear
+from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedEmbedding, QuantizedLinear, own_kernels
 
-ROW_COUNTS = (1, 8, 64, 256)
+ROW_COUNTS = (1, 3, 8, 64, 256)
 PACKED, DEQUANTIZE = NO_ROW_LIMIT, 0  # packed_max_rows forcing one path at every row count
 
 
@@ -63,19 +63,28 @@ def test_int4_round_trip_is_within_half_a_step(group_size: int, in_features: int
 
 # ---- layers against a float reference, every path ---------------------------------------------
 
-def layers(weight: torch.Tensor, bias: torch.Tensor, packed_max_rows: int | None,
-           ) -> list[QuantizedLinear]:
-    return [Int8Linear.quantize(weight, bias, packed_max_rows),
-            Int4Linear.quantize(weight, 32, bias, packed_max_rows),
-            Int4Linear.quantize(weight, 128, bias, packed_max_rows)]
+def layers(weight: torch.Tensor, bias: torch.Tensor | None, packed_max_rows: int | None,
+           packed_kernel: str | None = None) -> list[QuantizedLinear]:
+    return [Int8Linear.quantize(weight, bias, packed_max_rows, packed_kernel),
+            Int4Linear.quantize(weight, 32, bias, packed_max_rows, packed_kernel=packed_kernel),
+            Int4Linear.quantize(weight, 128, bias, packed_max_rows, packed_kernel=packed_kernel)]
+
+
+OWN_KERNELS = own_kernels(torch.device("cpu"), torch.bfloat16, 96, 576) is not None
+KERNELS = [pytest.param("tokenmill", marks=pytest.mark.skipif(
+    not OWN_KERNELS, reason="tokenmill's int8/int4 kernels need AVX-512 BF16")), "aten"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", [PACKED, DEQUANTIZE, None], ids=["packed", "dequant", "auto"])
-def test_quantized_linear_matches_float_reference(dtype: torch.dtype, path: int | None) -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_quantized_linear_matches_float_reference(dtype: torch.dtype, path: int | None,
+                                                  kernel: str) -> None:
+    if kernel == "tokenmill" and dtype != torch.bfloat16:
+        pytest.skip("tokenmill's kernels take bfloat16 activations")
     weight, bias = random_weight(96, 576).to(dtype), torch.randn(96).to(dtype)
     tolerance = {torch.float32: 1e-4, torch.bfloat16: 5e-2}[dtype]
-    for layer, twin in zip(layers(weight, bias, path), layers(weight, bias, DEQUANTIZE)):
+    for layer, twin in zip(layers(weight, bias, path, kernel), layers(weight, bias, DEQUANTIZE)):
         # The float reference: the same codes de-quantized, in a float GEMM.
         reference_weight = twin.dequantize().to(dtype)
         for rows in ROW_COUNTS:
@@ -110,6 +119,22 @@ def test_always_packed_int4_keeps_one_copy_of_its_codes() -> None:
     assert packed.codes is None and packed.kernel_weight is not None
     lookup = Int4Linear.quantize(weight, 32, packed_max_rows=PACKED, looks_up_rows=True)
     assert torch.equal(lookup.dequantize(), Int4Linear.quantize(weight, 32).dequantize())
+
+
+@pytest.mark.skipif(not OWN_KERNELS, reason="tokenmill's int8/int4 kernels need AVX-512 BF16")
+def test_own_kernels_read_the_codes_and_give_each_row_the_same_result_in_any_batch() -> None:
+    weight, bias = random_weight(96, 576).bfloat16(), torch.randn(96).bfloat16()
+    x = torch.randn(16, 576).bfloat16()
+    for layer in layers(weight, bias, PACKED):
+        assert layer.packed_kernel == "tokenmill" and layer.codes is not None
+        assert getattr(layer, "kernel_weight", None) is None  # no second, packed copy
+        out = layer(x)
+        for rows in (1, 3, 5):
+            assert torch.equal(layer(x[:rows]), out[:rows])
+    # a shape the kernels can't tile goes to aten's, and can't be forced onto them
+    assert Int8Linear.quantize(random_weight(42, 256).bfloat16()).packed_kernel == "aten"
+    with pytest.raises(ValueError, match="can't run this layer"):
+        Int8Linear.quantize(random_weight(42, 256).bfloat16(), packed_kernel="tokenmill")
 
 
 def test_packed_path_is_skipped_where_the_kernel_cannot_run() -> None:

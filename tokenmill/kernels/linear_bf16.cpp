@@ -19,12 +19,13 @@ namespace {
 constexpr int64_t kWeightRows = 4;  // outputs computed together: each x chunk loaded once for them
 constexpr int64_t kInputRows = 4;   // rows of x a pass: 16 accumulators of the 32 registers
 
-// out[m][n] = dot(x row m, w row n) for MT rows of x and kWeightRows rows of w. Masked loads
+// out[m][n] = dot(x row m, w row n) over in_features for MT rows of x and kWeightRows rows of w
+// (w_stride apart: a decoded W may be padded to whole quantization groups). Masked loads
 // throughout (full masks but for the tail) keep the loop branch-free, so the compiler holds the
 // accumulators in registers instead of spilling them every step.
 template <int MT>
-inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t in_features,
-                 float out[kInputRows][kWeightRows]) {
+inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t w_stride,
+                 int64_t in_features, float out[kInputRows][kWeightRows]) {
   __m512 acc[MT][kWeightRows];
 #pragma GCC unroll 4
   for (int m = 0; m < MT; ++m)
@@ -37,7 +38,7 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t
     __m512i weights[kWeightRows];
 #pragma GCC unroll 4
     for (int n = 0; n < kWeightRows; ++n)
-      weights[n] = _mm512_maskz_loadu_epi16(mask, w + n * in_features + k);
+      weights[n] = _mm512_maskz_loadu_epi16(mask, w + n * w_stride + k);
 #pragma GCC unroll 4
     for (int m = 0; m < MT; ++m) {
       const __m512i inputs = _mm512_maskz_loadu_epi16(mask, x + m * x_stride + k);
@@ -51,6 +52,69 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t
 #pragma GCC unroll 4
     for (int n = 0; n < kWeightRows; ++n) out[m][n] = _mm512_reduce_add_ps(acc[m][n]);
 }
+
+// out[m][n] = finish(n, dot(x row m, W row n)) for bfloat16 x [M, K] and a W of out_features
+// rows, kWeightRows rows at a time: `prepare(n0, scratch)` readies rows n0.. (a pointer to them, or
+// to a bfloat16 copy decoded into `scratch`, scratch_size elements a thread), once for all of x's
+// rows; `multiply(MT, prepared, x rows, x_stride, sums)` then fills sums for MT (a
+// std::integral_constant) rows of x at a time.
+template <typename Prepare, typename Multiply, typename Finish>
+torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int64_t scratch_size,
+                               Prepare prepare, Multiply multiply, Finish finish) {
+  const int64_t rows = x.size(0);
+  auto out = torch::empty({rows, out_features}, x.options());
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto* ys = out.data_ptr<c10::BFloat16>();
+  const int64_t x_stride = x.stride(0);
+  at::parallel_for(0, out_features / kWeightRows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> scratch(scratch_size);
+    float sums[kInputRows][kWeightRows];
+    for (int64_t tile_index = begin; tile_index < end; ++tile_index) {
+      const int64_t n0 = tile_index * kWeightRows;
+      const auto prepared = prepare(n0, scratch.data());
+      for (int64_t m0 = 0; m0 < rows; m0 += kInputRows) {
+        const uint16_t* xm = xs + m0 * x_stride;
+        switch (std::min(kInputRows, rows - m0)) {
+          case 1: multiply(std::integral_constant<int, 1>{}, prepared, xm, x_stride, sums); break;
+          case 2: multiply(std::integral_constant<int, 2>{}, prepared, xm, x_stride, sums); break;
+          case 3: multiply(std::integral_constant<int, 3>{}, prepared, xm, x_stride, sums); break;
+          default: multiply(std::integral_constant<int, 4>{}, prepared, xm, x_stride, sums);
+        }
+        for (int64_t m = 0; m < std::min(kInputRows, rows - m0); ++m)
+          for (int64_t n = 0; n < kWeightRows; ++n)
+            ys[(m0 + m) * out_features + n0 + n] =
+                static_cast<c10::BFloat16>(finish(n0 + n, sums[m][n]));
+      }
+    }
+  });
+  return out;
+}
+
+// few_rows_product's `multiply` for bfloat16 rows of W, w_stride apart.
+struct BFloat16Rows {
+  int64_t w_stride, in_features;
+  template <typename MT>
+  void operator()(MT, const uint16_t* w, const uint16_t* x, int64_t x_stride,
+                  float sums[kInputRows][kWeightRows]) const {
+    tile<MT::value>(x, x_stride, w, w_stride, in_features, sums);
+  }
+};
+
+void check_few_rows_input(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias,
+                          int64_t out_features, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kBFloat16, name,
+              ": x [M, K] bfloat16 with contiguous rows");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->scalar_type() == torch::kBFloat16 &&
+                        bias->numel() == out_features), name, ": bias [N] bfloat16");
+}
+
+// The bias's entries as float, or 0 without one.
+struct Bias {
+  const c10::BFloat16* values;
+  explicit Bias(const c10::optional<torch::Tensor>& bias)
+      : values(bias ? bias->data_ptr<c10::BFloat16>() : nullptr) {}
+  float operator[](int64_t n) const { return values ? static_cast<float>(values[n]) : 0.f; }
+};
 #endif
 
 }  // namespace
@@ -67,45 +131,17 @@ bool linear_bf16_available() {
 // bias [N] bfloat16 or None. Returns [M, N] bfloat16.
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
 #if defined(__AVX512BF16__)
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == torch::kBFloat16,
-              "linear_bf16: x [M, K] bfloat16 with contiguous rows");
+  check_few_rows_input(x, bias, weight.size(0), "linear_bf16");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
                   weight.scalar_type() == torch::kBFloat16 && weight.size(1) == x.size(1) &&
                   weight.size(0) % kWeightRows == 0,
               "linear_bf16: weight [N, K] bfloat16 contiguous, N a multiple of 4");
-  if (bias) {
-    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kBFloat16 &&
-                    bias->numel() == weight.size(0), "linear_bf16: bias [N] bfloat16");
-  }
-  const int64_t rows = x.size(0), in_features = x.size(1), out_features = weight.size(0);
-  auto out = torch::empty({rows, out_features}, x.options());
-  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* ws = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  const c10::BFloat16* bs = bias ? bias->data_ptr<c10::BFloat16>() : nullptr;
-  auto* ys = out.data_ptr<c10::BFloat16>();
-  const int64_t x_stride = x.stride(0);
-  at::parallel_for(0, out_features / kWeightRows, 8, [&](int64_t begin, int64_t end) {
-    float sums[kInputRows][kWeightRows];
-    for (int64_t tile_index = begin; tile_index < end; ++tile_index) {
-      const int64_t n0 = tile_index * kWeightRows;
-      const uint16_t* w = ws + n0 * in_features;
-      for (int64_t m0 = 0; m0 < rows; m0 += kInputRows) {
-        const uint16_t* xm = xs + m0 * x_stride;
-        switch (std::min(kInputRows, rows - m0)) {
-          case 1: tile<1>(xm, x_stride, w, in_features, sums); break;
-          case 2: tile<2>(xm, x_stride, w, in_features, sums); break;
-          case 3: tile<3>(xm, x_stride, w, in_features, sums); break;
-          default: tile<4>(xm, x_stride, w, in_features, sums); break;
-        }
-        for (int64_t m = 0; m < std::min(kInputRows, rows - m0); ++m)
-          for (int64_t n = 0; n < kWeightRows; ++n) {
-            const float b = bs ? static_cast<float>(bs[n0 + n]) : 0.f;
-            ys[(m0 + m) * out_features + n0 + n] = static_cast<c10::BFloat16>(sums[m][n] + b);
-          }
-      }
-    }
-  });
-  return out;
+  const Bias b(bias);
+  const int64_t in_features = x.size(1);
+  return few_rows_product(
+      x, weight.size(0), 0, [&](int64_t n0, uint16_t*) { return ws + n0 * in_features; },
+      BFloat16Rows{in_features, in_features}, [&](int64_t n, float sum) { return sum + b[n]; });
 #else
   TORCH_CHECK(false, "linear_bf16: built without AVX-512 BF16");
   return x;

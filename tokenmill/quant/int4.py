@@ -12,44 +12,52 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedLinear
+from tokenmill.kernels import cpu_kernels
+from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedLinear, own_kernels
 
-# Rows up to which the packed int4 kernel beats de-quantize + GEMM, by activation dtype, on CPU;
-# measured by benchmarks/bench_quant_kernels.py (results/quant_kernels.json).
-# On AVX2 they only vectorize bfloat16 activations: in bfloat16 they won at every row count
-# measured (1 to 1024), in float32 (and float16, not measured) at none.
-CPU_PACKED_MAX_ROWS = {torch.float32: 0, torch.bfloat16: NO_ROW_LIMIT}
+# Rows up to which a packed kernel beats de-quantize + GEMM on CPU, by kernel and activation
+# dtype; measured by benchmarks/bench_quant_kernels.py (results/quant_kernels.json). aten's
+# vectorizes bfloat16 activations only.
+CPU_PACKED_MAX_ROWS = {("tokenmill", torch.bfloat16): NO_ROW_LIMIT,
+                       ("aten", torch.bfloat16): NO_ROW_LIMIT, ("aten", torch.float32): 0}
 
 
 class Int4Linear(QuantizedLinear):
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                  in_features: int, bias: torch.Tensor | None, dtype: torch.dtype,
-                 packed_max_rows: int | None = None, looks_up_rows: bool = False) -> None:
+                 packed_max_rows: int | None = None, looks_up_rows: bool = False,
+                 packed_kernel: str | None = None) -> None:
         """codes uint8 [out, padded_in / 2]; scales, mins float32 [out, padded_in / group_size];
-        `dtype` the activations'. packed_max_rows None picks the measured crossover when a packed
-        kernel can run this shape. `looks_up_rows`: it also serves as the (tied) embedding."""
-        out_features = codes.shape[0]
+        `dtype` the activations'. packed_kernel "tokenmill" or "aten", None for tokenmill's where
+        it can run; packed_max_rows None picks that kernel's measured crossover when it can run
+        this shape. `looks_up_rows`: it also serves as the (tied) embedding."""
+        out_features, padded_in_features = codes.shape[0], codes.shape[1] * 2
+        own = own_kernels(codes.device, dtype, out_features, padded_in_features)
+        packed_kernel = packed_kernel or ("tokenmill" if own is not None else "aten")
+        if packed_kernel == "tokenmill" and own is None:
+            raise ValueError("tokenmill's int4 kernel can't run this layer")
         if packed_max_rows is None:
             packed_max_rows = _default_packed_max_rows(codes.device, dtype, out_features,
-                                                       codes.shape[1] * 2)
-        super().__init__(out_features, in_features, codes.shape[1] * 2, bias, packed_max_rows)
-        self.group_size = codes.shape[1] * 2 // scales.shape[1]
+                                                       padded_in_features, packed_kernel)
+        super().__init__(out_features, in_features, padded_in_features, bias, packed_max_rows)
+        self.group_size = padded_in_features // scales.shape[1]
+        self.packed_kernel = packed_kernel
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
         kernel_weight = kernel_scale_zeros = None
-        if packed_max_rows > 0:
+        if packed_max_rows > 0 and packed_kernel == "aten":  # tokenmill's reads the codes
             kernel_weight, kernel_scale_zeros = self._pack_for_kernel(dtype)
+            if packed_max_rows == NO_ROW_LIMIT and not looks_up_rows:
+                # Nothing will de-quantize: the kernel's copy of the codes is the only one needed.
+                self.codes = self.scales = self.mins = None
         self.register_buffer("kernel_weight", kernel_weight)
         self.register_buffer("kernel_scale_zeros", kernel_scale_zeros)
-        if packed_max_rows == NO_ROW_LIMIT and not looks_up_rows:
-            # Nothing will de-quantize: the kernel's copy of the codes is the only one needed.
-            self.codes = self.scales = self.mins = None
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
-                 packed_max_rows: int | None = None,
-                 looks_up_rows: bool = False) -> "Int4Linear":
+                 packed_max_rows: int | None = None, looks_up_rows: bool = False,
+                 packed_kernel: str | None = None) -> "Int4Linear":
         """Min/max per group, as GGUF's Q4_1; the error of each value is at most scale / 2."""
         out_features, in_features = weight.shape
         padding = -in_features % group_size
@@ -66,7 +74,7 @@ class Int4Linear(QuantizedLinear):
         half = group_size // 2
         codes = (levels[..., :half] | (levels[..., half:] << 4)).view(out_features, -1)
         return cls(codes, scales, mins, in_features, bias, weight.dtype, packed_max_rows,
-                   looks_up_rows)
+                   looks_up_rows, packed_kernel)
 
     def unpacked_codes(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         """Codes one per byte, uint8 [rows, padded_in / group_size, group_size]."""
@@ -86,11 +94,13 @@ class Int4Linear(QuantizedLinear):
         return values.add_(mins.unsqueeze(-1)).flatten(-2)
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            return torch.ops.aten._weight_int4pack_mm(x, self.kernel_weight, self.group_size,
-                                                      self.kernel_scale_zeros)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.kernel_weight, self.group_size,
-                                                          self.kernel_scale_zeros)
+        if self.packed_kernel == "tokenmill":
+            return cpu_kernels().linear_int4(x, self.codes, self.scales, self.mins,
+                                             self.group_size, self.bias)
+        matmul = torch.ops.aten._weight_int4pack_mm if x.is_cuda \
+            else torch.ops.aten._weight_int4pack_mm_for_cpu
+        return self.add_bias(matmul(self.padded(x), self.kernel_weight, self.group_size,
+                                    self.kernel_scale_zeros))
 
     def _pack_for_kernel(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # The kernels compute (code - 8) * scale + zero, so zero = min + 8 * scale; they take
@@ -107,12 +117,13 @@ class Int4Linear(QuantizedLinear):
 
 
 def _default_packed_max_rows(device: torch.device, dtype: torch.dtype, out_features: int,
-                             padded_in_features: int) -> int:
+                             padded_in_features: int, packed_kernel: str) -> int:
     if device.type == "cuda":  # tinygemm takes bfloat16 only and K in whole 16-wide tiles
         ok = dtype == torch.bfloat16 and _inner_k_tiles(padded_in_features) > 0
         return NO_ROW_LIMIT if ok else 0
-    # The CPU packing works on 16-row blocks of the output.
-    return CPU_PACKED_MAX_ROWS.get(dtype, 0) if out_features % 16 == 0 else 0
+    # aten's CPU packing works on 16-row blocks of the output.
+    fits = packed_kernel == "tokenmill" or out_features % 16 == 0
+    return CPU_PACKED_MAX_ROWS.get((packed_kernel, dtype), 0) if fits else 0
 
 
 def _inner_k_tiles(padded_in_features: int) -> int:

@@ -7,10 +7,13 @@ It never quantizes anything itself; int8.py and int4.py own their formats.
 from __future__ import annotations
 
 import sys
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenmill.kernels import cpu_kernels
 
 # packed_max_rows of a layer whose packed kernel wins at every row count.
 NO_ROW_LIMIT = sys.maxsize
@@ -18,6 +21,20 @@ NO_ROW_LIMIT = sys.maxsize
 # and Qwen2.5's MLP, 1 to 4 MiB ran 1.5 to 4x faster than the whole matrix, 256 KiB paid for
 # its Python loop.
 DEQUANTIZE_CHUNK_BYTES = 2 << 20
+
+
+PACKED_KERNELS = ("tokenmill", "aten")
+
+
+def own_kernels(device: torch.device, dtype: torch.dtype, out_features: int,
+                padded_in_features: int) -> ModuleType | None:
+    """tokenmill's few-row int8/int4 kernels (kernels/linear_quant.cpp) where they can take this
+    layer: a CPU with AVX-512 BF16, bfloat16 activations, whole tiles of 4 outputs and 32 inputs."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or out_features % 4 \
+            or padded_in_features % 32:
+        return None
+    kernels = cpu_kernels()
+    return kernels if kernels is not None and kernels.linear_bf16_available() else None
 
 
 class QuantizedLinear(nn.Module):
@@ -45,7 +62,7 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, padded_in_features] @ W^T by the packed kernel, without the bias."""
+        """x [rows, in_features] @ W^T + b by the packed kernel."""
         raise NotImplementedError
 
     def dequantize(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
@@ -54,12 +71,18 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.padded_in_features != self.in_features:
-            x = F.pad(x, (0, self.padded_in_features - self.in_features))
         if rows > self.packed_max_rows:
-            return self._dequantized_matmul(x)
-        out = self.packed_matmul(x.reshape(rows, self.padded_in_features))
-        out = out.view(*x.shape[:-1], self.out_features)
+            return self._dequantized_matmul(self.padded(x))
+        out = self.packed_matmul(x.reshape(rows, self.in_features))
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """x with zeros up to padded_in_features."""
+        if self.padded_in_features == self.in_features:
+            return x
+        return F.pad(x, (0, self.padded_in_features - self.in_features))
+
+    def add_bias(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.bias is None else out + self.bias
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
