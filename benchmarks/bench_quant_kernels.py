@@ -1,9 +1,10 @@
 """Packed int8/int4 CPU kernels against de-quantize + GEMM, per row count: where each path wins.
 
-For SmolLM2's and Qwen2.5-0.5B's projection shapes, each activation dtype and 1, 8, 64, 256 and
-1024 rows (tokens in a step) it times the float GEMM, `_weight_int8pack_mm`,
-`_weight_int4pack_mm_for_cpu` and the de-quantize paths of tokenmill.quant, and prints the
-largest row count at which the packed kernel still wins: CPU_PACKED_MAX_ROWS in
+For SmolLM2's and Qwen2.5-0.5B's projection shapes, each activation dtype and each row count
+(tokens in a step) it times the float GEMM, tokenmill's few-row kernels
+(kernels/linear_quant.cpp, bfloat16 on AVX-512 BF16 only), aten's `_weight_int8pack_mm` and
+`_weight_int4pack_mm_for_cpu`, and the de-quantize paths of tokenmill.quant, and prints, per
+kernel, the largest row count at which it still beats de-quantize + GEMM: CPU_PACKED_MAX_ROWS in
 tokenmill/quant/int{8,4}.py (a win at the largest count measured is taken as no limit).
 Run it on an otherwise idle machine: other processes on the cores move the crossover.
 
@@ -30,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from tokenmill.config import DTYPES  # noqa: E402
 from tokenmill.quant.int4 import Int4Linear  # noqa: E402
 from tokenmill.quant.int8 import Int8Linear  # noqa: E402
-from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedLinear  # noqa: E402
+from tokenmill.quant.linear import (NO_ROW_LIMIT, PACKED_KERNELS, QuantizedLinear,  # noqa: E402
+                                    own_kernels)
 
 # (name, out_features, in_features): the fused products of a decoder layer, and SmolLM2's lm_head.
 SHAPES = (("smollm2.qkv", 960, 576), ("smollm2.o_proj", 576, 576),
@@ -52,18 +54,24 @@ def time_call(call: Callable[[], object], min_time: float) -> float:
 
 
 def paths(weight: torch.Tensor, group_size: int) -> dict[str, Callable[[torch.Tensor], object]]:
-    def both(make: Callable[[int], QuantizedLinear], name: str) -> dict:
-        return {f"{name}_packed": make(NO_ROW_LIMIT), f"{name}_dequant": make(0)}
+    own = own_kernels(weight.device, weight.dtype, *weight.shape) is not None
+    kernels = [kernel for kernel in PACKED_KERNELS if kernel == "aten" or own]
+
+    def each(make: Callable[[int, str | None], QuantizedLinear], name: str) -> dict:
+        return {**{f"{name}_{kernel}": make(NO_ROW_LIMIT, kernel) for kernel in kernels},
+                f"{name}_dequant": make(0, None)}
 
     return {"float": lambda x: F.linear(x, weight),
-            **both(lambda rows: Int8Linear.quantize(weight, packed_max_rows=rows), "int8"),
-            **both(lambda rows: Int4Linear.quantize(weight, group_size, packed_max_rows=rows),
-                   f"int4_g{group_size}")}
+            **each(lambda rows, kernel: Int8Linear.quantize(
+                weight, packed_max_rows=rows, packed_kernel=kernel), "int8"),
+            **each(lambda rows, kernel: Int4Linear.quantize(
+                weight, group_size, packed_max_rows=rows, packed_kernel=kernel),
+                f"int4_g{group_size}")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", default="1,8,64,256,1024")
+    parser.add_argument("--rows", default="1,4,8,16,32,64,256,1024")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
@@ -115,22 +123,26 @@ def main() -> None:
 
 
 def crossovers(timings: list[dict], row_counts: list[int], group_size: int) -> dict:
-    """Per format and dtype: the largest row count up to which the packed kernel beats
+    """Per format, kernel and dtype: the largest row count up to which the packed kernel beats
     de-quantize + GEMM on most shapes, at that count and every smaller one (0: never). A call
     too slow to time loses to one that was timed."""
     us = {(t["dtype"], t["shape"], t["path"], t["rows"]): t["us"] for t in timings}
+    timed_paths = {(t["dtype"], t["path"]) for t in timings}
     result: dict[str, int] = {}
     for dtype in sorted({t["dtype"] for t in timings}):
         for fmt in ("int8", f"int4_g{group_size}"):
-            wins = 0
-            for rows in sorted(row_counts):
-                votes = [_faster(us[(dtype, shape, f"{fmt}_packed", rows)],
-                                 us[(dtype, shape, f"{fmt}_dequant", rows)])
-                         for shape, _, _ in SHAPES]
-                if 2 * sum(votes) <= len(votes):
-                    break
-                wins = rows
-            result[f"{fmt}/{dtype}"] = wins
+            for kernel in PACKED_KERNELS:
+                if (dtype, f"{fmt}_{kernel}") not in timed_paths:
+                    continue
+                wins = 0
+                for rows in sorted(row_counts):
+                    votes = [_faster(us[(dtype, shape, f"{fmt}_{kernel}", rows)],
+                                     us[(dtype, shape, f"{fmt}_dequant", rows)])
+                             for shape, _, _ in SHAPES]
+                    if 2 * sum(votes) <= len(votes):
+                        break
+                    wins = rows
+                result[f"{fmt}/{kernel}/{dtype}"] = wins
     return result
 
 

@@ -19,13 +19,24 @@ namespace {
 constexpr int64_t kWeightRows = 4;  // outputs computed together: each x chunk loaded once for them
 constexpr int64_t kInputRows = 4;   // rows of x a pass: 16 accumulators of the 32 registers
 
-// out[m][n] = dot(x row m, w row n) over in_features for MT rows of x and kWeightRows rows of w
-// (w_stride apart: a decoded W may be padded to whole quantization groups). Masked loads
+// out[0..3] = the lane sums of acc[0..3]: one fold to 256 bits each, then three horizontal adds
+// for all four (a quarter of four separate reductions' shuffles).
+inline void store_sums(const __m512 acc[kWeightRows], float out[kWeightRows]) {
+  static_assert(kWeightRows == 4, "four sums a call");
+  __m256 halves[kWeightRows];
+  for (int n = 0; n < kWeightRows; ++n)
+    halves[n] = _mm256_add_ps(_mm512_castps512_ps256(acc[n]), _mm512_extractf32x8_ps(acc[n], 1));
+  const __m256 all = _mm256_hadd_ps(_mm256_hadd_ps(halves[0], halves[1]),
+                                    _mm256_hadd_ps(halves[2], halves[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1)));
+}
+
+// out[m][n] = dot(x row m, w row n) for MT rows of x and kWeightRows rows of w. Masked loads
 // throughout (full masks but for the tail) keep the loop branch-free, so the compiler holds the
 // accumulators in registers instead of spilling them every step.
 template <int MT>
-inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t w_stride,
-                 int64_t in_features, float out[kInputRows][kWeightRows]) {
+inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t in_features,
+                 float out[kInputRows][kWeightRows]) {
   __m512 acc[MT][kWeightRows];
 #pragma GCC unroll 4
   for (int m = 0; m < MT; ++m)
@@ -38,7 +49,7 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t
     __m512i weights[kWeightRows];
 #pragma GCC unroll 4
     for (int n = 0; n < kWeightRows; ++n)
-      weights[n] = _mm512_maskz_loadu_epi16(mask, w + n * w_stride + k);
+      weights[n] = _mm512_maskz_loadu_epi16(mask, w + n * in_features + k);
 #pragma GCC unroll 4
     for (int m = 0; m < MT; ++m) {
       const __m512i inputs = _mm512_maskz_loadu_epi16(mask, x + m * x_stride + k);
@@ -48,37 +59,33 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t
     }
   }
 #pragma GCC unroll 4
-  for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 4
-    for (int n = 0; n < kWeightRows; ++n) out[m][n] = _mm512_reduce_add_ps(acc[m][n]);
+  for (int m = 0; m < MT; ++m) store_sums(acc[m], out[m]);
 }
 
 // out[m][n] = finish(n, dot(x row m, W row n)) for bfloat16 x [M, K] and a W of out_features
-// rows, kWeightRows rows at a time: `prepare(n0, scratch)` readies rows n0.. (a pointer to them, or
-// to a bfloat16 copy decoded into `scratch`, scratch_size elements a thread), once for all of x's
-// rows; `multiply(MT, prepared, x rows, x_stride, sums)` then fills sums for MT (a
-// std::integral_constant) rows of x at a time.
-template <typename Prepare, typename Multiply, typename Finish>
-torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int64_t scratch_size,
-                               Prepare prepare, Multiply multiply, Finish finish) {
+// rows, kWeightRows rows at a time: `rows_at(n0)` locates rows n0.. in W's format, and
+// `multiply(MT, located, x rows, x_stride, sums)` fills sums for MT (a std::integral_constant)
+// rows of x and those rows of W.
+template <typename RowsAt, typename Multiply, typename Finish>
+torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, RowsAt rows_at,
+                               Multiply multiply, Finish finish) {
   const int64_t rows = x.size(0);
   auto out = torch::empty({rows, out_features}, x.options());
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   auto* ys = out.data_ptr<c10::BFloat16>();
   const int64_t x_stride = x.stride(0);
   at::parallel_for(0, out_features / kWeightRows, 8, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> scratch(scratch_size);
     float sums[kInputRows][kWeightRows];
     for (int64_t tile_index = begin; tile_index < end; ++tile_index) {
       const int64_t n0 = tile_index * kWeightRows;
-      const auto prepared = prepare(n0, scratch.data());
+      const auto located = rows_at(n0);
       for (int64_t m0 = 0; m0 < rows; m0 += kInputRows) {
         const uint16_t* xm = xs + m0 * x_stride;
         switch (std::min(kInputRows, rows - m0)) {
-          case 1: multiply(std::integral_constant<int, 1>{}, prepared, xm, x_stride, sums); break;
-          case 2: multiply(std::integral_constant<int, 2>{}, prepared, xm, x_stride, sums); break;
-          case 3: multiply(std::integral_constant<int, 3>{}, prepared, xm, x_stride, sums); break;
-          default: multiply(std::integral_constant<int, 4>{}, prepared, xm, x_stride, sums);
+          case 1: multiply(std::integral_constant<int, 1>{}, located, xm, x_stride, sums); break;
+          case 2: multiply(std::integral_constant<int, 2>{}, located, xm, x_stride, sums); break;
+          case 3: multiply(std::integral_constant<int, 3>{}, located, xm, x_stride, sums); break;
+          default: multiply(std::integral_constant<int, 4>{}, located, xm, x_stride, sums);
         }
         for (int64_t m = 0; m < std::min(kInputRows, rows - m0); ++m)
           for (int64_t n = 0; n < kWeightRows; ++n)
@@ -89,16 +96,6 @@ torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int
   });
   return out;
 }
-
-// few_rows_product's `multiply` for bfloat16 rows of W, w_stride apart.
-struct BFloat16Rows {
-  int64_t w_stride, in_features;
-  template <typename MT>
-  void operator()(MT, const uint16_t* w, const uint16_t* x, int64_t x_stride,
-                  float sums[kInputRows][kWeightRows]) const {
-    tile<MT::value>(x, x_stride, w, w_stride, in_features, sums);
-  }
-};
 
 void check_few_rows_input(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features, const char* name) {
@@ -140,8 +137,12 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
   const Bias b(bias);
   const int64_t in_features = x.size(1);
   return few_rows_product(
-      x, weight.size(0), 0, [&](int64_t n0, uint16_t*) { return ws + n0 * in_features; },
-      BFloat16Rows{in_features, in_features}, [&](int64_t n, float sum) { return sum + b[n]; });
+      x, weight.size(0), [&](int64_t n0) { return ws + n0 * in_features; },
+      [&](auto mt, const uint16_t* w, const uint16_t* xm, int64_t x_stride,
+          float sums[kInputRows][kWeightRows]) {
+        tile<decltype(mt)::value>(xm, x_stride, w, in_features, sums);
+      },
+      [&](int64_t n, float sum) { return sum + b[n]; });
 #else
   TORCH_CHECK(false, "linear_bf16: built without AVX-512 BF16");
   return x;

@@ -2,24 +2,37 @@
 // AVX-512 BF16.
 //
 // Decode streams every weight once a step and is bound by memory, so fewer bytes a weight is
-// the whole gain. Each thread decodes four rows of W at a time into bfloat16 in a small buffer
-// that stays in L1 and multiplies them with linear_bf16.cpp's tile. Both formats' codes are exact
-// in bfloat16: int8 codes go in as they are and the row's scale multiplies the sum; int4 values
-// are de-quantized as tokenmill/quant/int4.py does it (code * scale, then + min, in float32) and
-// rounded to bfloat16, the weights the de-quantize path feeds its GEMM.
+// the whole gain, as long as widening the codes costs less than the bytes saved: the codes of
+// four rows of W are widened to bfloat16 in registers, never stored, and multiplied with VDPBF16PS
+// as in linear_bf16.cpp. int8 codes are exact in bfloat16 and the row's scale multiplies the sum;
+// int4 values are de-quantized as tokenmill/quant/int4.py does it (code * scale, then + min, in
+// float32) and rounded to bfloat16, the weights the de-quantize path feeds its GEMM.
 
 namespace {
 
 #if defined(__AVX512BF16__)
-// Codes int8 [K] -> bfloat16 [K]; K a multiple of 32.
-inline void decode_int8_row(const int8_t* codes, int64_t in_features, uint16_t* out) {
+// sums[m][n] = dot(x row m, codes row n) for MT rows of x and kWeightRows int8 rows (K a multiple
+// of 32), each code widened to bfloat16 in registers (exact: |code| <= 127 needs 7 bits).
+template <int MT>
+inline void int8_tile(const uint16_t* x, int64_t x_stride, const int8_t* codes,
+                      int64_t in_features, float out[kInputRows][kWeightRows]) {
+  __m512 acc[MT][kWeightRows];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < kWeightRows; ++n) acc[m][n] = _mm512_setzero_ps();
   for (int64_t k = 0; k < in_features; k += 32) {
-    const __m512 low = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k))));
-    const __m512 high = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k + 16))));
-    _mm512_storeu_si512(out + k, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    __m512i xs[MT];
+    for (int m = 0; m < MT; ++m) xs[m] = _mm512_loadu_si512(x + m * x_stride + k);
+    for (int n = 0; n < kWeightRows; ++n) {
+      const int8_t* row = codes + n * in_features + k;
+      const __m512 low = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+      const __m512 high = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
+      const __m512bh w = _mm512_cvtne2ps_pbh(high, low);
+      for (int m = 0; m < MT; ++m) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)xs[m], w);
+    }
   }
+  for (int m = 0; m < MT; ++m) store_sums(acc[m], out[m]);
 }
 
 // A mask of the first `remaining` of 32 lanes (none, or all).
@@ -87,8 +100,7 @@ inline void int4_tile(const uint16_t* x, int64_t x_stride, int64_t in_features,
       }
     }
   }
-  for (int m = 0; m < MT; ++m)
-    for (int n = 0; n < kWeightRows; ++n) out[m][n] = _mm512_reduce_add_ps(acc[m][n]);
+  for (int m = 0; m < MT; ++m) store_sums(acc[m], out[m]);
 }
 #endif
 
@@ -111,13 +123,12 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const float* ss = scales.data_ptr<float>();
   const Bias b(bias);
   return few_rows_product(
-      x, out_features, kWeightRows * in_features,
-      [&](int64_t n0, uint16_t* scratch) {
-        for (int64_t n = 0; n < kWeightRows; ++n)
-          decode_int8_row(cs + (n0 + n) * in_features, in_features, scratch + n * in_features);
-        return static_cast<const uint16_t*>(scratch);
+      x, out_features, [&](int64_t n0) { return cs + n0 * in_features; },
+      [&](auto mt, const int8_t* rows, const uint16_t* xm, int64_t x_stride,
+          float sums[kInputRows][kWeightRows]) {
+        int8_tile<decltype(mt)::value>(xm, x_stride, rows, in_features, sums);
       },
-      BFloat16Rows{in_features, in_features}, [&](int64_t n, float sum) { return sum * ss[n] + b[n]; });
+      [&](int64_t n, float sum) { return sum * ss[n] + b[n]; });
 #else
   TORCH_CHECK(false, "linear_int8: built without AVX-512 BF16");
   return x;
@@ -150,7 +161,7 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const float* ms = mins.data_ptr<float>();
   const Bias b(bias);
   return few_rows_product(
-      x, out_features, 0, [](int64_t n0, uint16_t*) { return n0; },
+      x, out_features, [](int64_t n0) { return n0; },
       [&](auto mt, int64_t n0, const uint16_t* xm, int64_t x_stride,
           float sums[kInputRows][kWeightRows]) {
         int4_tile<decltype(mt)::value>(xm, x_stride, in_features, cs + n0 * padded / 2,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import cpu_kernels
-from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedLinear, own_kernels
+from tokenmill.quant.linear import NO_ROW_LIMIT, PACKED_KERNELS, QuantizedLinear, own_kernels
 
 # Rows up to which a packed kernel beats de-quantize + GEMM on CPU, by kernel and activation
 # dtype; measured by benchmarks/bench_quant_kernels.py (results/quant_kernels.json). aten's
@@ -34,6 +34,8 @@ class Int4Linear(QuantizedLinear):
         out_features, padded_in_features = codes.shape[0], codes.shape[1] * 2
         own = own_kernels(codes.device, dtype, out_features, padded_in_features)
         packed_kernel = packed_kernel or ("tokenmill" if own is not None else "aten")
+        if packed_kernel not in PACKED_KERNELS:
+            raise ValueError(f"packed_kernel must be one of {PACKED_KERNELS}, not {packed_kernel!r}")
         if packed_kernel == "tokenmill" and own is None:
             raise ValueError("tokenmill's int4 kernel can't run this layer")
         if packed_max_rows is None:
