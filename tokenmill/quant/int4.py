@@ -35,7 +35,8 @@ class Int4Linear(QuantizedLinear):
         own = own_kernels(codes.device, dtype, out_features, padded_in_features)
         packed_kernel = packed_kernel or ("tokenmill" if own is not None else "aten")
         if packed_kernel not in PACKED_KERNELS:
-            raise ValueError(f"packed_kernel must be one of {PACKED_KERNELS}, not {packed_kernel!r}")
+            raise ValueError(f"packed_kernel must be one of {PACKED_KERNELS}, "
+                             f"not {packed_kernel!r}")
         if packed_kernel == "tokenmill" and own is None:
             raise ValueError("tokenmill's int4 kernel can't run this layer")
         if packed_max_rows is None:

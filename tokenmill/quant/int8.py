@@ -34,7 +34,8 @@ class Int8Linear(QuantizedLinear):
         own = own_kernels(codes.device, dtype, out_features, in_features) if per_channel else None
         packed_kernel = packed_kernel or ("tokenmill" if own is not None else "aten")
         if packed_kernel not in PACKED_KERNELS:
-            raise ValueError(f"packed_kernel must be one of {PACKED_KERNELS}, not {packed_kernel!r}")
+            raise ValueError(f"packed_kernel must be one of {PACKED_KERNELS}, "
+                             f"not {packed_kernel!r}")
         if packed_kernel == "tokenmill" and own is None:
             raise ValueError("tokenmill's int8 kernel can't run this layer")
         if packed_max_rows is None:
@@ -50,7 +51,8 @@ class Int8Linear(QuantizedLinear):
         # aten's; kept only if used.
         kernel_scales = None
         if packed_max_rows > 0:
-            kernel_scales = scales[:, 0].to(torch.float32 if packed_kernel == "tokenmill" else dtype)
+            own_scales = packed_kernel == "tokenmill"
+            kernel_scales = scales[:, 0].to(torch.float32 if own_scales else dtype)
         self.register_buffer("kernel_scales", kernel_scales)
 
     @classmethod
