@@ -31,12 +31,13 @@ inline void store_sums(const __m512 acc[kWeightRows], float out[kWeightRows]) {
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1)));
 }
 
-// out[m][n] = dot(x row m, w row n) for MT rows of x and kWeightRows rows of w. Masked loads
+// out[m][n] = dot(x row m, w row n) for MT rows of x and kWeightRows rows of w, w_stride apart (a
+// decoded W may be padded to whole quantization groups). Masked loads
 // throughout (full masks but for the tail) keep the loop branch-free, so the compiler holds the
 // accumulators in registers instead of spilling them every step.
 template <int MT>
-inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t in_features,
-                 float out[kInputRows][kWeightRows]) {
+inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t w_stride,
+                 int64_t in_features, float out[kInputRows][kWeightRows]) {
   __m512 acc[MT][kWeightRows];
 #pragma GCC unroll 4
   for (int m = 0; m < MT; ++m)
@@ -49,7 +50,7 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t
     __m512i weights[kWeightRows];
 #pragma GCC unroll 4
     for (int n = 0; n < kWeightRows; ++n)
-      weights[n] = _mm512_maskz_loadu_epi16(mask, w + n * in_features + k);
+      weights[n] = _mm512_maskz_loadu_epi16(mask, w + n * w_stride + k);
 #pragma GCC unroll 4
     for (int m = 0; m < MT; ++m) {
       const __m512i inputs = _mm512_maskz_loadu_epi16(mask, x + m * x_stride + k);
@@ -63,22 +64,24 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t
 }
 
 // out[m][n] = finish(n, dot(x row m, W row n)) for bfloat16 x [M, K] and a W of out_features
-// rows, kWeightRows rows at a time: `rows_at(n0)` locates rows n0.. in W's format, and
-// `multiply(MT, located, x rows, x_stride, sums)` fills sums for MT (a std::integral_constant)
-// rows of x and those rows of W.
+// rows, kWeightRows rows at a time: `rows_at(n0, scratch)` locates rows n0.. (in W's format, or
+// decoded to bfloat16 into `scratch`, scratch_size elements a thread), once for all of x's rows,
+// and `multiply(MT, located, x rows, x_stride, sums)` fills sums for MT (a
+// std::integral_constant) rows of x and those rows of W.
 template <typename RowsAt, typename Multiply, typename Finish>
-torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, RowsAt rows_at,
-                               Multiply multiply, Finish finish) {
+torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int64_t scratch_size,
+                               RowsAt rows_at, Multiply multiply, Finish finish) {
   const int64_t rows = x.size(0);
   auto out = torch::empty({rows, out_features}, x.options());
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   auto* ys = out.data_ptr<c10::BFloat16>();
   const int64_t x_stride = x.stride(0);
   at::parallel_for(0, out_features / kWeightRows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> scratch(scratch_size);
     float sums[kInputRows][kWeightRows];
     for (int64_t tile_index = begin; tile_index < end; ++tile_index) {
       const int64_t n0 = tile_index * kWeightRows;
-      const auto located = rows_at(n0);
+      const auto located = rows_at(n0, scratch.data());
       for (int64_t m0 = 0; m0 < rows; m0 += kInputRows) {
         const uint16_t* xm = xs + m0 * x_stride;
         switch (std::min(kInputRows, rows - m0)) {
@@ -96,6 +99,16 @@ torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, Row
   });
   return out;
 }
+
+// few_rows_product's `multiply` for bfloat16 rows of W, w_stride apart.
+struct BFloat16Rows {
+  int64_t w_stride, in_features;
+  template <typename MT>
+  void operator()(MT, const uint16_t* w, const uint16_t* x, int64_t x_stride,
+                  float sums[kInputRows][kWeightRows]) const {
+    tile<MT::value>(x, x_stride, w, w_stride, in_features, sums);
+  }
+};
 
 void check_few_rows_input(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias,
                           int64_t out_features, const char* name) {
@@ -137,12 +150,8 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
   const Bias b(bias);
   const int64_t in_features = x.size(1);
   return few_rows_product(
-      x, weight.size(0), [&](int64_t n0) { return ws + n0 * in_features; },
-      [&](auto mt, const uint16_t* w, const uint16_t* xm, int64_t x_stride,
-          float sums[kInputRows][kWeightRows]) {
-        tile<decltype(mt)::value>(xm, x_stride, w, in_features, sums);
-      },
-      [&](int64_t n, float sum) { return sum + b[n]; });
+      x, weight.size(0), 0, [&](int64_t n0, uint16_t*) { return ws + n0 * in_features; },
+      BFloat16Rows{in_features, in_features}, [&](int64_t n, float sum) { return sum + b[n]; });
 #else
   TORCH_CHECK(false, "linear_bf16: built without AVX-512 BF16");
   return x;

@@ -2,17 +2,31 @@
 // AVX-512 BF16.
 //
 // Decode streams every weight once a step and is bound by memory, so fewer bytes a weight is
-// the whole gain, as long as widening the codes costs less than the bytes saved: the codes of
-// four rows of W are widened to bfloat16 in registers, never stored, and multiplied with VDPBF16PS
-// as in linear_bf16.cpp. int8 codes are exact in bfloat16 and the row's scale multiplies the sum;
+// the whole gain, as long as widening the codes costs less than the bytes saved. Up to four rows
+// of x, the codes of four rows of W are widened to bfloat16 in registers, never stored, and
+// multiplied with VDPBF16PS as in linear_bf16.cpp; with more rows of x, each block of four rows
+// of W is widened once into a buffer that stays in L1 and linear_bf16.cpp's tile multiplies it
+// by every four rows of x. int8 codes are exact in bfloat16 and the row's scale multiplies the sum;
 // int4 values are de-quantized as tokenmill/quant/int4.py does it (code * scale, then + min, in
 // float32) and rounded to bfloat16, the weights the de-quantize path feeds its GEMM.
+
+#include <algorithm>
+#include <cstring>
 
 namespace {
 
 #if defined(__AVX512BF16__)
+// 32 int8 codes as bfloat16 (exact: |code| <= 127 needs 7 bits).
+inline __m512bh widen_int8(const int8_t* codes) {
+  const __m512 low = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+  const __m512 high = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16))));
+  return _mm512_cvtne2ps_pbh(high, low);
+}
+
 // sums[m][n] = dot(x row m, codes row n) for MT rows of x and kWeightRows int8 rows (K a multiple
-// of 32), each code widened to bfloat16 in registers (exact: |code| <= 127 needs 7 bits).
+// of 32), the codes widened in registers.
 template <int MT>
 inline void int8_tile(const uint16_t* x, int64_t x_stride, const int8_t* codes,
                       int64_t in_features, float out[kInputRows][kWeightRows]) {
@@ -23,16 +37,17 @@ inline void int8_tile(const uint16_t* x, int64_t x_stride, const int8_t* codes,
     __m512i xs[MT];
     for (int m = 0; m < MT; ++m) xs[m] = _mm512_loadu_si512(x + m * x_stride + k);
     for (int n = 0; n < kWeightRows; ++n) {
-      const int8_t* row = codes + n * in_features + k;
-      const __m512 low = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
-      const __m512 high = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
-      const __m512bh w = _mm512_cvtne2ps_pbh(high, low);
+      const __m512bh w = widen_int8(codes + n * in_features + k);
       for (int m = 0; m < MT; ++m) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)xs[m], w);
     }
   }
   for (int m = 0; m < MT; ++m) store_sums(acc[m], out[m]);
+}
+
+// kWeightRows int8 rows -> bfloat16 [kWeightRows, K] in `out`.
+inline void widen_int8_rows(const int8_t* codes, int64_t in_features, uint16_t* out) {
+  for (int64_t i = 0; i < kWeightRows * in_features; i += 32)
+    _mm512_storeu_si512(out + i, (__m512i)widen_int8(codes + i));
 }
 
 // A mask of the first `remaining` of 32 lanes (none, or all).
@@ -41,28 +56,48 @@ inline __mmask32 first_lanes(int64_t remaining) {
                          : remaining <= 0 ? 0 : static_cast<__mmask32>((1u << remaining) - 1);
 }
 
+// int4 rows are padded / 2 bytes in groups of group_size / 2: byte i of a group holds value i in
+// its low nibble, i + group_size / 2 in its high one; each group has a float32 scale and min. A
+// group's 16 possible values, code * scale + min rounded to bfloat16, make a table that VPERMW
+// looks 32 codes up in at once.
+inline __m512i int4_table(float scale, float min) {
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(
+      _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(scale)), _mm512_set1_ps(min))));
+}
+
+// 32 bytes of a group of 64 or more: values i..i+31 (low nibbles) and half+i.. (high), as bfloat16.
+inline void lookup_int4_32(const uint8_t* bytes, __m512i table, __m512i& low, __m512i& high) {
+  const __m512i wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+  low = _mm512_permutexvar_epi16(_mm512_and_si512(wide, _mm512_set1_epi16(0x0F)), table);
+  high = _mm512_permutexvar_epi16(_mm512_srli_epi16(wide, 4), table);
+}
+
+// A group of 32 (16 bytes): values 0..15 (low nibbles) then 16..31 (high), as bfloat16.
+inline __m512i lookup_int4_16(const uint8_t* bytes, __m512i table) {
+  const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  const __m512i indices = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_and_si256(wide, _mm256_set1_epi16(0x0F))),
+      _mm256_srli_epi16(wide, 4), 1);
+  return _mm512_permutexvar_epi16(indices, table);
+}
+
 // sums[m][n] = dot(x row m, W row n) for MT rows of x and kWeightRows int4 rows of W, decoded in
-// registers. A row is padded / 2 bytes in groups of group_size / 2 (byte i holds value i in its
-// low nibble, i + group_size / 2 in its high one), with a scale and min a group; x's in_features
-// may stop short of padded. A group's 16 possible values, code * scale + min rounded to bfloat16,
-// make a table that VPERMW looks 32 codes up in at once.
+// registers; x's in_features may stop short of the rows' padded length.
 template <int MT>
 inline void int4_tile(const uint16_t* x, int64_t x_stride, int64_t in_features,
                       const uint8_t* codes, const float* scales, const float* mins,
                       int64_t padded, int64_t group_size, float out[kInputRows][kWeightRows]) {
   const int64_t half = group_size / 2, groups = padded / group_size, row_bytes = padded / 2;
-  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i nibble = _mm512_set1_epi16(0x0F);
   __m512 acc[MT][kWeightRows];
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < kWeightRows; ++n) acc[m][n] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512i table[kWeightRows];
     for (int n = 0; n < kWeightRows; ++n)
-      table[n] = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(
-          _mm512_mul_ps(levels, _mm512_set1_ps(scales[n * groups + g])),
-          _mm512_set1_ps(mins[n * groups + g]))));
-    if (half % 32 == 0) {  // 32 bytes: values i..i+31 (low nibbles), half+i..half+i+31 (high)
+      table[n] = int4_table(scales[n * groups + g], mins[n * groups + g]);
+    const uint8_t* group_codes = codes + g * half;
+    if (half % 32 == 0) {
       for (int64_t i = 0; i < half; i += 32) {
         const int64_t k = g * group_size + i;
         const __mmask32 low_mask = first_lanes(in_features - k);
@@ -73,34 +108,66 @@ inline void int4_tile(const uint16_t* x, int64_t x_stride, int64_t in_features,
           x_high[m] = _mm512_maskz_loadu_epi16(high_mask, x + m * x_stride + k + half);
         }
         for (int n = 0; n < kWeightRows; ++n) {
-          const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(codes + n * row_bytes + g * half + i)));
-          const __m512i w_low = _mm512_permutexvar_epi16(_mm512_and_si512(bytes, nibble), table[n]);
-          const __m512i w_high = _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table[n]);
+          __m512i w_low, w_high;
+          lookup_int4_32(group_codes + n * row_bytes + i, table[n], w_low, w_high);
           for (int m = 0; m < MT; ++m) {
             acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)x_low[m], (__m512bh)w_low);
             acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)x_high[m], (__m512bh)w_high);
           }
         }
       }
-    } else {  // groups of 32, 16 bytes: values 0..15 (low nibbles) then 16..31 (high)
+    } else {
       const int64_t k = g * group_size;
       const __mmask32 mask = first_lanes(in_features - k);
       __m512i xs[MT];
       for (int m = 0; m < MT; ++m) xs[m] = _mm512_maskz_loadu_epi16(mask, x + m * x_stride + k);
       for (int n = 0; n < kWeightRows; ++n) {
-        const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(
-            reinterpret_cast<const __m128i*>(codes + n * row_bytes + g * half)));
-        const __m512i indices = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0F))),
-            _mm256_srli_epi16(bytes, 4), 1);
-        const __m512i w = _mm512_permutexvar_epi16(indices, table[n]);
+        const __m512i w = lookup_int4_16(group_codes + n * row_bytes, table[n]);
         for (int m = 0; m < MT; ++m)
           acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)xs[m], (__m512bh)w);
       }
     }
   }
   for (int m = 0; m < MT; ++m) store_sums(acc[m], out[m]);
+}
+
+// kWeightRows int4 rows -> bfloat16 [kWeightRows, padded] in `out`, each group of 64 or more in
+// int4_tile's order: 32 values of the low nibbles, the 32 of their high nibbles, the next 32 low...
+// (so that a row sums in the same order on both paths: see fused_order).
+inline void widen_int4_rows(const uint8_t* codes, const float* scales, const float* mins,
+                            int64_t padded, int64_t group_size, uint16_t* out) {
+  const int64_t half = group_size / 2, groups = padded / group_size;
+  for (int64_t r = 0; r < kWeightRows * groups; ++r) {  // r: a group of some row
+    const __m512i table = int4_table(scales[r], mins[r]);
+    const uint8_t* group_codes = codes + r * half;
+    uint16_t* group_out = out + r * group_size;
+    if (half % 32 == 0) {
+      for (int64_t i = 0; i < half; i += 32) {
+        __m512i low, high;
+        lookup_int4_32(group_codes + i, table, low, high);
+        _mm512_storeu_si512(group_out + 2 * i, low);
+        _mm512_storeu_si512(group_out + 2 * i + 32, high);
+      }
+    } else {
+      _mm512_storeu_si512(group_out, lookup_int4_16(group_codes, table));
+    }
+  }
+}
+
+// x [M, K] in widen_int4_rows' order, zero-padded to `padded`: bfloat16 [M, padded].
+torch::Tensor fused_order(const torch::Tensor& x, int64_t padded, int64_t group_size) {
+  const int64_t rows = x.size(0), in_features = x.size(1), half = group_size / 2;
+  auto out = torch::zeros({rows, padded}, x.options());
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t start = 0; start < padded; start += 32) {  // a group's i-th 32 (low or high)
+      const int64_t g = start / group_size, within = start % group_size;
+      const int64_t to = g * group_size + (within < half ? 2 * within : 2 * (within - half) + 32);
+      const int64_t count = std::max<int64_t>(0, std::min<int64_t>(32, in_features - start));
+      std::memcpy(os + m * padded + to, xs + m * x.stride(0) + start, count * sizeof(uint16_t));
+    }
+  return out;
 }
 #endif
 
@@ -122,13 +189,23 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const int8_t* cs = codes.data_ptr<int8_t>();
   const float* ss = scales.data_ptr<float>();
   const Bias b(bias);
+  const auto finish = [&](int64_t n, float sum) { return sum * ss[n] + b[n]; };
+  if (x.size(0) > kInputRows) {
+    return few_rows_product(
+        x, out_features, kWeightRows * in_features,
+        [&](int64_t n0, uint16_t* scratch) {
+          widen_int8_rows(cs + n0 * in_features, in_features, scratch);
+          return static_cast<const uint16_t*>(scratch);
+        },
+        BFloat16Rows{in_features, in_features}, finish);
+  }
   return few_rows_product(
-      x, out_features, [&](int64_t n0) { return cs + n0 * in_features; },
+      x, out_features, 0, [&](int64_t n0, uint16_t*) { return cs + n0 * in_features; },
       [&](auto mt, const int8_t* rows, const uint16_t* xm, int64_t x_stride,
           float sums[kInputRows][kWeightRows]) {
         int8_tile<decltype(mt)::value>(xm, x_stride, rows, in_features, sums);
       },
-      [&](int64_t n, float sum) { return sum * ss[n] + b[n]; });
+      finish);
 #else
   TORCH_CHECK(false, "linear_int8: built without AVX-512 BF16");
   return x;
@@ -160,15 +237,27 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const float* ss = scales.data_ptr<float>();
   const float* ms = mins.data_ptr<float>();
   const Bias b(bias);
+  const auto finish = [&](int64_t n, float sum) { return sum + b[n]; };
+  if (x.size(0) > kInputRows) {
+    const torch::Tensor xo = group_size % 64 == 0 ? fused_order(x, padded, group_size) : x;
+    return few_rows_product(
+        xo, out_features, kWeightRows * padded,
+        [&](int64_t n0, uint16_t* scratch) {
+          widen_int4_rows(cs + n0 * padded / 2, ss + n0 * groups, ms + n0 * groups, padded,
+                          group_size, scratch);
+          return static_cast<const uint16_t*>(scratch);
+        },
+        BFloat16Rows{padded, xo.size(1)}, finish);
+  }
   return few_rows_product(
-      x, out_features, [](int64_t n0) { return n0; },
+      x, out_features, 0, [](int64_t n0, uint16_t*) { return n0; },
       [&](auto mt, int64_t n0, const uint16_t* xm, int64_t x_stride,
           float sums[kInputRows][kWeightRows]) {
         int4_tile<decltype(mt)::value>(xm, x_stride, in_features, cs + n0 * padded / 2,
                                        ss + n0 * groups, ms + n0 * groups, padded, group_size,
                                        sums);
       },
-      [&](int64_t n, float sum) { return sum + b[n]; });
+      finish);
 #else
   TORCH_CHECK(false, "linear_int4: built without AVX-512 BF16");
   return x;
