@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import cpu_kernels
-from tokenmill.quant.linear import NO_ROW_LIMIT, PACKED_KERNELS, QuantizedLinear, own_kernels
+from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedLinear, choose_packed_kernel
 
 # Rows up to which a packed kernel beats de-quantize + GEMM on CPU, by kernel and activation
 # dtype; measured by benchmarks/bench_quant_kernels.py (results/quant_kernels.json): tokenmill's
@@ -33,13 +33,8 @@ class Int4Linear(QuantizedLinear):
         it can run; packed_max_rows None picks that kernel's measured crossover when it can run
         this shape. `looks_up_rows`: it also serves as the (tied) embedding."""
         out_features, padded_in_features = codes.shape[0], codes.shape[1] * 2
-        own = own_kernels(codes.device, dtype, out_features, padded_in_features)
-        packed_kernel = packed_kernel or ("tokenmill" if own is not None else "aten")
-        if packed_kernel not in PACKED_KERNELS:
-            raise ValueError(f"packed_kernel must be one of {PACKED_KERNELS}, "
-                             f"not {packed_kernel!r}")
-        if packed_kernel == "tokenmill" and own is None:
-            raise ValueError("tokenmill's int4 kernel can't run this layer")
+        packed_kernel = choose_packed_kernel(packed_kernel, codes.device, dtype, out_features,
+                                             padded_in_features)
         if packed_max_rows is None:
             packed_max_rows = _default_packed_max_rows(codes.device, dtype, out_features,
                                                        padded_in_features, packed_kernel)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.kernels import cpu_kernels
-from tokenmill.quant.linear import NO_ROW_LIMIT, PACKED_KERNELS, QuantizedLinear, own_kernels
+from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedLinear, choose_packed_kernel
 
 # Rows up to which a packed kernel beats de-quantize + GEMM on CPU, by kernel and activation
 # dtype; measured by benchmarks/bench_quant_kernels.py (results/quant_kernels.json): tokenmill's
@@ -32,13 +32,8 @@ class Int8Linear(QuantizedLinear):
         """
         out_features, in_features = codes.shape
         per_channel = scales.shape[1] == 1
-        own = own_kernels(codes.device, dtype, out_features, in_features) if per_channel else None
-        packed_kernel = packed_kernel or ("tokenmill" if own is not None else "aten")
-        if packed_kernel not in PACKED_KERNELS:
-            raise ValueError(f"packed_kernel must be one of {PACKED_KERNELS}, "
-                             f"not {packed_kernel!r}")
-        if packed_kernel == "tokenmill" and own is None:
-            raise ValueError("tokenmill's int8 kernel can't run this layer")
+        packed_kernel = choose_packed_kernel(packed_kernel, codes.device, dtype, out_features,
+                                             in_features, fits=per_channel)
         if packed_max_rows is None:
             packed_max_rows = (CPU_PACKED_MAX_ROWS.get((packed_kernel, dtype), 0)
                                if codes.device.type == "cpu" else NO_ROW_LIMIT) \

@@ -37,6 +37,19 @@ def own_kernels(device: torch.device, dtype: torch.dtype, out_features: int,
     return kernels if kernels is not None and kernels.linear_bf16_available() else None
 
 
+def choose_packed_kernel(requested: str | None, device: torch.device, dtype: torch.dtype,
+                         out_features: int, padded_in_features: int, fits: bool = True) -> str:
+    """The packed kernel a layer runs: `requested`, or None for tokenmill's where it can run the
+    layer (and the format `fits` it), else aten's."""
+    own = fits and own_kernels(device, dtype, out_features, padded_in_features) is not None
+    kernel = requested or ("tokenmill" if own else "aten")
+    if kernel not in PACKED_KERNELS:
+        raise ValueError(f"packed_kernel must be one of {PACKED_KERNELS}, not {kernel!r}")
+    if kernel == "tokenmill" and not own:
+        raise ValueError("tokenmill's kernels can't run this layer")
+    return kernel
+
+
 class QuantizedLinear(nn.Module):
     """y = x W^T + b with W held quantized; a subclass says how to de-quantize and pack it.
 
