@@ -105,6 +105,7 @@ class PagedAttention:
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k and v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, row], where a
         row is D values in the model's dtype, or D int8 codes and a scale (kv_int8.py)."""
+        cached_k, cached_v = k, v
         if k_cache.dtype == torch.int8:
             if self.calibrating:
                 factors = key_smoothing_factors(k).to(k.dtype)
@@ -113,8 +114,6 @@ class PagedAttention:
                 self.calibrating = False
             if self.key_smoothing is not None:  # powers of two: exact, q.k unchanged
                 q, k = q * self.query_smoothing, k / self.key_smoothing
-        cached_k, cached_v = k, v
-        if k_cache.dtype == torch.int8:
             cached_k, cached_v = quantize_rows(torch.stack((k, v))).unbind()  # one pass for both
             if any(chunk.seq_lens is None for chunk in meta.prefills):
                 # SDPA prefill attends to this step's K/V directly; give it what the cache
