@@ -120,15 +120,16 @@ def test_shards_split_heads_and_replicate_scarce_kv_heads():
         TensorShard(0, 4).check(config(8, 3))
 
 
-@pytest.mark.parametrize("architecture,num_heads,num_kv_heads", [
-    ("LlamaForCausalLM", 4, 2),  # KV heads split
-    ("Qwen2ForCausalLM", 4, 1),  # one KV head replicated on both ranks; q/k/v biases split
+@pytest.mark.parametrize("architecture,num_heads,num_kv_heads,kv_cache_dtype", [
+    ("LlamaForCausalLM", 4, 2, "auto"),  # KV heads split
+    ("Qwen2ForCausalLM", 4, 1, "auto"),  # one KV head replicated on both ranks; q/k/v biases split
+    ("LlamaForCausalLM", 4, 2, "int8"),  # each rank calibrates its own heads' key smoothing
 ])
 def test_tp2_greedy_equals_tp1_on_tiny_models(tmp_path, smollm, architecture, num_heads,
-                                              num_kv_heads):
+                                              num_kv_heads, kv_cache_dtype):
     folder = write_tiny_model(tmp_path / "tiny", smollm, architecture, num_heads, num_kv_heads)
     options = dict(model=str(folder), dtype="float32", num_kv_blocks=64, block_size=8,
-                   max_num_batched_tokens=64, debug_checks=True)
+                   max_num_batched_tokens=64, debug_checks=True, kv_cache_dtype=kv_cache_dtype)
     prompts = tiny_prompts()
     expected = greedy_tokens(LLM(**options), prompts, max_tokens=24)
     parallel = LLM(**options, tensor_parallel_size=2)

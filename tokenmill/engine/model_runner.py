@@ -25,6 +25,7 @@ from tokenmill.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenmill.model.attention import (AttentionMetadata, decode_kernel_available, padding_mask,
                                        prefill_chunk)
 from tokenmill.model.kv_int8 import cache_row
+from tokenmill.model.kv_smoothing import CALIBRATION_TEXT
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.sampler import Sampler, logprob_entries
@@ -101,9 +102,16 @@ class ModelRunner:
                     self.model_bytes / 2**20, config.quantization, self.kv_cache_bytes / 2**20,
                     str(cache_dtype)[6:], self.kv_capacity_tokens)
         self.use_decode_kernel = decode_kernel_available(self.device)
+        if config.kv_cache_dtype == "int8":  # every rank: its first step calibrates its heads
+            for layer in self.model.layers:
+                layer.self_attn.attn.calibrate_key_smoothing()
         # Last, so nothing after it can fail and leave the other ranks waiting.
         self.workers = WorkerGroup.start(config) if shard.rank == 0 and shard.world_size > 1 \
             else None
+        if config.kv_cache_dtype == "int8" and shard.rank == 0:
+            # A tokenizer may know more ids than the model embeds (the tests' tiny models).
+            self._calibration_prefill([t for t in loaded.tokenizer.encode(CALIBRATION_TEXT)
+                                       if t < loaded.config.vocab_size])
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -127,6 +135,18 @@ class ModelRunner:
                                [r.generator for r in requests])
         return StepResult(chunks, [[t] for t in sampled.token_ids],
                           [[entry] for entry in sampled.logprobs], prompt_logprobs)
+
+    def _calibration_prefill(self, token_ids: list[int]) -> None:
+        """One prefill into the still unused cache's first blocks (what it leaves there is
+        never read: a slot is written before it is attended to), on every rank."""
+        n = min(len(token_ids), self.kv_capacity_tokens)
+        positions = torch.arange(n, device=self.device)
+        chunk = prefill_chunk(0, n, n, self._tensor(list(range(-(-n // self.block_size)))),
+                              self.use_decode_kernel, self.dtype, self.device)
+        meta = AttentionMetadata(positions, [chunk], n, None, None, None)
+        inputs = StepInputs(self._tensor(token_ids[:n]), positions, meta, self._tensor([]), [], [])
+        with self._all_ranks(inputs):
+            self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
 
     def _all_ranks(self, inputs: StepInputs) -> contextlib.AbstractContextManager:
         """Under tensor parallelism the other ranks run the same forward on the same inputs;

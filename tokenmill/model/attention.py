@@ -6,7 +6,8 @@ like decode tokens, each over the cache up to its own position; without it, SDPA
 `AttentionMetadata` is built once per step by the model runner and shared by every layer. This
 module never allocates or frees blocks; it only reads and writes the slots it is given. A GPU
 backend replaces `PagedAttention.forward` and nothing else. An int8 cache (kv_int8.py) is written
-quantized and read de-quantized, by every path alike.
+quantized and read de-quantized, by every path alike, after key smoothing (kv_smoothing.py) has
+moved K's few large channels into q: every path sees the smoothed q and k.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from tokenmill.kernels import cpu_kernels, fused_kernels
 from tokenmill.model.kv_int8 import dequantize_rows, quantize_rows
+from tokenmill.model.kv_smoothing import key_smoothing_factors
 
 
 @dataclass(slots=True)
@@ -77,7 +79,8 @@ def decode_kernel_available(device: torch.device) -> bool:
 
 
 class PagedAttention:
-    """Stateless: the caches and the metadata come in with every call.
+    """The caches and the metadata come in with every call; the one state is the key smoothing
+    factors of an int8 cache, taken from the first forward after `calibrate_key_smoothing`.
 
     Decode runs the C++ kernel that reads the block tables in place when it is available;
     otherwise it gathers each sequence's blocks and calls SDPA with a padding mask.
@@ -89,6 +92,14 @@ class PagedAttention:
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = head_dim ** -0.5
+        self.calibrating = False
+        self.key_smoothing: torch.Tensor | None = None  # [Hkv, D]: cache k / s
+        self.query_smoothing: torch.Tensor | None = None  # [H, D]: attend with q * s
+
+    def calibrate_key_smoothing(self) -> None:
+        """The next forward with an int8 cache sets the smoothing factors from its keys (and
+        uses them); the model runner makes that forward the calibration prefill."""
+        self.calibrating = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -96,6 +107,13 @@ class PagedAttention:
         row is D values in the model's dtype, or D int8 codes and a scale (kv_int8.py)."""
         cached_k, cached_v = k, v
         if k_cache.dtype == torch.int8:
+            if self.calibrating:
+                factors = key_smoothing_factors(k).to(k.dtype)
+                self.key_smoothing = factors
+                self.query_smoothing = factors.repeat_interleave(self.group, dim=0)
+                self.calibrating = False
+            if self.key_smoothing is not None:  # powers of two: exact, q.k unchanged
+                q, k = q * self.query_smoothing, k / self.key_smoothing
             cached_k, cached_v = quantize_rows(torch.stack((k, v))).unbind()  # one pass for both
             if any(chunk.seq_lens is None for chunk in meta.prefills):
                 # SDPA prefill attends to this step's K/V directly; give it what the cache
