@@ -4,8 +4,8 @@ For SmolLM2's and Qwen2.5-0.5B's projection shapes, each activation dtype and ea
 (tokens in a step) it times the float GEMM, tokenmill's few-row kernels
 (kernels/linear_quant.cpp, bfloat16 on AVX-512 BF16 only), aten's `_weight_int8pack_mm` and
 `_weight_int4pack_mm_for_cpu`, and the de-quantize paths of tokenmill.quant, and prints, per
-kernel, the largest row count at which it still beats de-quantize + GEMM: CPU_PACKED_MAX_ROWS in
-tokenmill/quant/int{8,4}.py (a win at the largest count measured is taken as no limit).
+kernel, the largest row count at which it still beats de-quantize + GEMM: CPU_PACKED_MAX_ROWS
+in tokenmill/quant/linear.py (a win at the largest count measured is taken as no limit).
 Run it on an otherwise idle machine: other processes on the cores move the crossover.
 
     python benchmarks/bench_quant_kernels.py

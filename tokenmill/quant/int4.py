@@ -13,14 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import cpu_kernels
-from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedLinear, choose_packed_kernel
-
-# Rows up to which a packed kernel beats de-quantize + GEMM on CPU, by kernel and activation
-# dtype; measured by benchmarks/bench_quant_kernels.py (results/quant_kernels.json): tokenmill's
-# up to 256 rows of the 1024 measured, on AVX-512 BF16. aten's is what runs on CPUs without it;
-# there (AVX2) it won in bfloat16 at every count measured and in float32 at none.
-CPU_PACKED_MAX_ROWS = {("tokenmill", torch.bfloat16): 256,
-                       ("aten", torch.bfloat16): NO_ROW_LIMIT, ("aten", torch.float32): 0}
+from tokenmill.quant.linear import (CPU_PACKED_MAX_ROWS, NO_ROW_LIMIT, QuantizedLinear,
+                                    choose_packed_kernel)
 
 
 class Int4Linear(QuantizedLinear):
