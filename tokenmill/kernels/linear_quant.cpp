@@ -232,7 +232,7 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   for (const auto& t : {scales, mins})
     TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat &&
                     t.numel() == out_features * groups,
-                "linear_int4: scales and mins [N, K / group_size] float32");
+                "linear_int4: scales and mins [N, P / group_size] float32");
   const uint8_t* cs = codes.data_ptr<uint8_t>();
   const float* ss = scales.data_ptr<float>();
   const float* ms = mins.data_ptr<float>();
