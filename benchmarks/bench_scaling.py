@@ -5,9 +5,11 @@ Scenarios (each launches its own fresh processes, so every layout starts with a 
              with --policy cache_aware: 8 distinct system prompts of about 1,000 tokens, each
              asked 8 questions, in a shuffled order (a fixed seed; in arrival order i % 8 a round
              robin over 2 replicas would keep each prompt on one replica by accident), from 8
-             concurrent clients. Each replica's KV cache holds about 5 system prompts
-             (--kv-prompts-per-replica), as when a replica serves more tenants than it can cache:
-             the regime where routing decides the hit rate. Reports the prefix-cache hit rate
+             concurrent clients. Each replica's KV cache holds about 4 system prompts
+             (--kv-prompts-per-replica), plus room for the running requests: the two caches
+             together hold the 8 prompts once, as when a replica serves more tenants than it
+             can cache but the replicas together can. That is the regime where routing decides
+             the hit rate: round robin's LRU keeps about 4 of the 8 prompts each replica sees. Reports the prefix-cache hit rate
              (hits / queries, scraped from the replicas' own /metrics) and TTFT P50, and the
              ratios cache_aware / round_robin (targets: hit rate >= 1.8x, TTFT P50 <= 0.6x).
   layouts  - TP=1, TP=2 and two replicas (round robin), the same total CPU threads each:
@@ -165,7 +167,7 @@ def main() -> None:
                         help="extra flags for every launched server, e.g. '--dtype float32'")
     parser.add_argument("--system-prompt-tokens", type=int, default=1000)
     parser.add_argument("--questions-per-prompt", type=int, default=8)
-    parser.add_argument("--kv-prompts-per-replica", type=int, default=5)
+    parser.add_argument("--kv-prompts-per-replica", type=int, default=4)
     parser.add_argument("--routing-clients", type=int, default=8)
     parser.add_argument("--routing-output-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")],
