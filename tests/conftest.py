@@ -28,6 +28,9 @@ def make_llm(smollm: LoadedModel) -> Callable[..., LLM]:
         options.setdefault("dtype", "float32")
         options.setdefault("num_kv_blocks", 2048)
         options.setdefault("debug_checks", True)
+        # GPTQ calibrates SmolLM2 for about a minute at load; its tests (test_gptq.py) use a
+        # tiny model, and the engine tests here quantize int4 by round-to-nearest.
+        options.setdefault("quant_method", "rtn")
         config = EngineConfig.from_kwargs(model=DEFAULT_MODEL, **options)
         return LLM.from_engine(LLMEngine(config, smollm))
 

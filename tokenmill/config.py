@@ -12,6 +12,9 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+# How int4 codes are chosen (docs/quantization.md): round to nearest; GPTQ with act-order and
+# static groups; GPTQ over the columns in their own order.
+QUANT_METHODS = ("rtn", "gptq", "gptq-in-order")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: tokenmill/model/kv_int8.py
 SPECULATIVE_METHODS = ("ngram", "draft", "self")
 
@@ -38,6 +41,7 @@ class EngineConfig:
     debug_checks: bool = False  # assert block accounting after every step
     quantization: str = "none"  # weights: none, int8 (per channel), int4 (grouped), gguf (own)
     quant_group_size: int = 128  # inputs per int4 scale and zero point
+    quant_method: str = "gptq"  # int4 only: gptq (calibrated at load), gptq-in-order or rtn
     kv_cache_dtype: str = "auto"  # int8: a scale per token and head, about twice the tokens
     # Speculative decoding (docs/speculative.md); None turns it off.
     speculative_method: str | None = None  # ngram (prompt lookup), draft (a second model), self
@@ -81,6 +85,8 @@ class EngineConfig:
                f"must be one of {', '.join(QUANTIZATIONS)}")
         _check(self.quant_group_size in (32, 64, 128), "quant_group_size", self.quant_group_size,
                "must be 32, 64 or 128")
+        _check(self.quant_method in QUANT_METHODS, "quant_method", self.quant_method,
+               f"must be one of {', '.join(QUANT_METHODS)}")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
                f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         self._check_speculative()

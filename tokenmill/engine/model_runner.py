@@ -79,7 +79,8 @@ class ModelRunner:
         self.model = LlamaForCausalLM(loaded.config, loaded.weights, self.dtype, self.device,
                                       shard)
         self.float_model_bytes = model_bytes(self.model)
-        quantize_model(self.model, config.quantization, config.quant_group_size, loaded.path)
+        quantize_model(self.model, config.quantization, config.quant_group_size, loaded,
+                       config.quant_method)
         self.model_bytes = model_bytes(self.model)
         self.sampler = Sampler(config.seed)
         self.rejection_sampler = RejectionSampler(self.sampler)

@@ -1,9 +1,9 @@
 """Configuration names of `tokenmill eval --configs`: each becomes EngineConfig overrides.
 
 A name is parts joined by "+": a weight format (none, int8, int4, int4-g32, int4-g64, int4-g128,
-gguf), kv-int8 for the int8 KV cache, and bf16 or fp32 for the compute dtype. Parts not given
-keep the base options (the command's engine flags), so "int8+kv-int8" is int8 weights and an int8
-KV cache in the base dtype.
+gguf), a quant method for int4 (rtn, gptq, gptq-in-order), kv-int8 for the int8 KV cache, and bf16
+or fp32 for the compute dtype. Parts not given keep the base options (the command's engine flags),
+so "int8+kv-int8" is int8 weights and an int8 KV cache in the base dtype.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tokenmill.config import QUANTIZATIONS, EngineConfig
+from tokenmill.config import QUANT_METHODS, QUANTIZATIONS, EngineConfig
 
 DTYPE_PARTS = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -32,6 +32,8 @@ def parse_config(name: str) -> EvalConfig:
             overrides["quantization"] = part
         elif part.startswith("int4-g") and part[6:] in ("32", "64", "128"):
             overrides.update(quantization="int4", quant_group_size=int(part[6:]))
+        elif part in QUANT_METHODS:
+            overrides["quant_method"] = part
         elif part == "kv-int8":
             overrides["kv_cache_dtype"] = "int8"
         elif part in DTYPE_PARTS:
@@ -39,7 +41,8 @@ def parse_config(name: str) -> EvalConfig:
         else:
             raise ValueError(
                 f"invalid eval configuration {name!r}: unknown part {part!r}; use parts of "
-                f"{', '.join(QUANTIZATIONS)}, int4-g32/64/128, kv-int8, bf16, fp32 joined by '+'")
+                f"{', '.join(QUANTIZATIONS)}, int4-g32/64/128, {', '.join(QUANT_METHODS)}, kv-int8, "
+                "bf16, fp32 joined by '+'")
     return EvalConfig(name, overrides)
 
 

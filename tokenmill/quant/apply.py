@@ -1,31 +1,47 @@
-"""Turns a built float model into a quantized one, as EngineConfig.quantization says, and counts a
-model's bytes.
+"""Turns a built float model into a quantized one, as EngineConfig.quantization and quant_method
+say, and counts a model's bytes.
 
 Every `Linear` (the fused decoder products and the lm_head) and the embedding are swapped for
 quantized layers in place; a tied embedding looks its rows up in the lm_head's quantized weight.
 Norms, biases and the rotary table stay float. It never touches attention or the KV cache.
+
+int4 with quant_method gptq runs calibration through the model a decoder layer at a time: the
+layer's products are quantized by GPTQ from the Hessians of their inputs, then the calibration
+runs through the quantized layer to give the next layer its inputs, so each layer corrects the
+errors of the ones before it; the lm_head's inputs are the final-norm hidden states. An untied
+embedding is only looked up, so it has no Hessian and is rounded to nearest.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import logging
+import time
 
+import torch
 from torch import nn
 
 from tokenmill.model.layers import Linear
 from tokenmill.model.llama import LlamaForCausalLM
-from tokenmill.model.loader import GGUFBlocks, read_gguf_blocks
+from tokenmill.model.loader import GGUFBlocks, LoadedModel, read_gguf_blocks
+from tokenmill.quant import cache
+from tokenmill.quant.calibration import (CALIBRATION_VERSION, LayerwiseCalibration,
+                                         calibration_sequences)
 from tokenmill.quant.gguf import gguf_linear
-from tokenmill.quant.int4 import Int4Linear
+from tokenmill.quant.gptq import Hessian, gptq_levels
+from tokenmill.quant.int4 import Int4Linear, pack_levels
 from tokenmill.quant.int8 import Int8Linear
 from tokenmill.quant.linear import QuantizedEmbedding, QuantizedLinear
 
+logger = logging.getLogger(__name__)
+
 
 def quantize_model(model: LlamaForCausalLM, quantization: str, group_size: int,
-                   source: Path) -> None:
-    """`source` is the model's file; the gguf mode reads its blocks again."""
+                   loaded: LoadedModel, quant_method: str = "rtn") -> None:
+    """`loaded` is what the model was built from: the gguf mode reads its file's blocks again,
+    gptq its tokenizer for the calibration prompts."""
     if quantization == "none":
         return
+    source = loaded.path
     blocks: dict[str, GGUFBlocks] = {}
     if quantization == "gguf":
         if source.suffix != ".gguf":
@@ -34,10 +50,13 @@ def quantize_model(model: LlamaForCausalLM, quantization: str, group_size: int,
         blocks = read_gguf_blocks(source)
     tied = model.config.tie_word_embeddings
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+    calibrated = _gptq_layers(model, dict(linears), group_size, loaded,
+                              act_order=quant_method == "gptq") \
+        if quantization == "int4" and quant_method.startswith("gptq") else {}
     for name, linear in linears:
         looks_up_rows = tied and linear is model.lm_head
-        quantized = _quantize(linear, quantization, group_size, blocks,
-                              looks_up_rows=looks_up_rows)
+        quantized = calibrated.get(name) or _quantize(linear, quantization, group_size, blocks,
+                                                      looks_up_rows=looks_up_rows)
         if quantized is not None:
             model.set_submodule(name, quantized)
     dtype = model.norm.weight.dtype
@@ -49,6 +68,64 @@ def quantize_model(model: LlamaForCausalLM, quantization: str, group_size: int,
         quantized = _quantize(table, quantization, group_size, blocks, packed_max_rows=0)
         if quantized is not None:
             model.embed_tokens = QuantizedEmbedding(quantized, dtype)
+
+
+def _gptq_layers(model: LlamaForCausalLM, linears: dict[str, Linear], group_size: int,
+                 loaded: LoadedModel, act_order: bool) -> dict[str, Int4Linear]:
+    """`linears` (every Linear of `model`, by name) by GPTQ; from the disk cache when it has
+    them."""
+    dtype, device = model.norm.weight.dtype, model.norm.weight.device
+    path = cache.cache_path(loaded.path, config=model.config, group_size=group_size,
+                            act_order=act_order, dtype=str(dtype),
+                            calibration=CALIBRATION_VERSION)
+    tensors = cache.load(path, device)
+    if tensors is None:
+        start = time.perf_counter()
+        tensors = _run_gptq(model, group_size, loaded, act_order)
+        cache.save(path, tensors)
+        logger.info("int4 by GPTQ in %.0f s, cached in %s", time.perf_counter() - start, path)
+    tied = model.config.tie_word_embeddings
+    return {name: _int4_layer(tensors, name, linear, looks_up_rows=tied and name == "lm_head")
+            for name, linear in linears.items()}
+
+
+def _int4_layer(tensors: dict[str, torch.Tensor], name: str, linear: Linear,
+                looks_up_rows: bool = False) -> Int4Linear:
+    return Int4Linear(tensors[f"{name}.codes"], tensors[f"{name}.scales"],
+                      tensors[f"{name}.mins"], linear.weight.shape[1], linear.bias,
+                      linear.weight.dtype, looks_up_rows=looks_up_rows)
+
+
+def _run_gptq(model: LlamaForCausalLM, group_size: int, loaded: LoadedModel,
+              act_order: bool) -> dict[str, torch.Tensor]:
+    """Quantizes the model's layers in place, first to last, and returns their tensors."""
+    sequences = calibration_sequences(model, loaded.tokenizer, loaded.chat_template)
+    calibration = LayerwiseCalibration(model, sequences)
+    tensors: dict[str, torch.Tensor] = {}
+
+    def quantize(name: str, linear: Linear, hessian: Hessian) -> None:
+        levels, scales, mins = gptq_levels(linear.weight, hessian.matrix, group_size, act_order)
+        tensors.update({f"{name}.codes": pack_levels(levels, group_size),
+                        f"{name}.scales": scales, f"{name}.mins": mins})
+        model.set_submodule(name, _int4_layer(tensors, name, linear))
+
+    for index, layer in enumerate(model.layers):
+        linears = {f"layers.{index}.{name}": m for name, m in layer.named_modules()
+                   if isinstance(m, Linear)}
+        hessians = {name: Hessian(m.weight.shape[1], m.weight.device)
+                    for name, m in linears.items()}
+        hooks = [m.register_forward_pre_hook(lambda _, args, h=hessians[name]: h.add(args[0]))
+                 for name, m in linears.items()]
+        calibration.run(layer)
+        for hook in hooks:
+            hook.remove()
+        for name, linear in linears.items():
+            quantize(name, linear, hessians[name])
+        calibration.advance(layer)
+    hessian = Hessian(model.lm_head.weight.shape[1], model.lm_head.weight.device)
+    hessian.add(calibration.final_hidden(model))
+    quantize("lm_head", model.lm_head, hessian)
+    return tensors
 
 
 def _quantize(linear: Linear, quantization: str, group_size: int,

@@ -64,10 +64,8 @@ class Int4Linear(QuantizedLinear):
         scales = (groups.amax(dim=-1) - mins) / 15
         steps = torch.where(scales > 0, scales, 1.0).unsqueeze(-1)
         levels = torch.round((groups - mins.unsqueeze(-1)) / steps).clamp(0, 15).to(torch.uint8)
-        half = group_size // 2
-        codes = (levels[..., :half] | (levels[..., half:] << 4)).view(out_features, -1)
-        return cls(codes, scales, mins, in_features, bias, weight.dtype, packed_max_rows,
-                   looks_up_rows, packed_kernel)
+        return cls(pack_levels(levels.flatten(1), group_size), scales, mins, in_features, bias,
+                   weight.dtype, packed_max_rows, looks_up_rows, packed_kernel)
 
     def unpacked_codes(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         """Codes one per byte, uint8 [rows, padded_in / group_size, group_size]."""
@@ -107,6 +105,13 @@ class Int4Linear(QuantizedLinear):
                 pairs, _inner_k_tiles(self.padded_in_features)), scale_zeros)
         return (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1),
                 scale_zeros)
+
+
+def pack_levels(levels: torch.Tensor, group_size: int) -> torch.Tensor:
+    """uint8 codes [out, padded_in] one a byte -> two a byte, in the group order above."""
+    grouped = levels.view(levels.shape[0], -1, group_size)
+    half = group_size // 2
+    return (grouped[..., :half] | (grouped[..., half:] << 4)).view(levels.shape[0], -1)
 
 
 def _default_packed_max_rows(device: torch.device, dtype: torch.dtype, out_features: int,
