@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 
 logger = logging.getLogger("tokenmill.kernels")
-SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "linear_bf16.cpp", "linear_quant.cpp")
+SOURCES = ("prefetch.cpp", "paged_attention.cpp", "fused_ops.cpp", "linear_bf16.cpp", "linear_quant.cpp")
 FUNCTIONS = ["paged_decode_attention", "rms_norm", "rotary_", "write_kv_cache", "linear_bf16",
              "linear_bf16_available", "linear_int8", "linear_int4"]
 # -fopenmp, or at::parallel_for runs on one thread; no FMA contraction: fused_ops.cpp rounds

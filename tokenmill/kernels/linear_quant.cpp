@@ -190,6 +190,9 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const float* ss = scales.data_ptr<float>();
   const Bias b(bias);
   const auto finish = [&](int64_t n, float sum) { return sum * ss[n] + b[n]; };
+  const auto prefetch = [&](int64_t n0) {
+    prefetch_bytes(cs + n0 * in_features, kWeightRows * in_features);
+  };
   if (x.size(0) > kInputRows) {
     return few_rows_product(
         x, out_features, kWeightRows * in_features,
@@ -197,7 +200,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
           widen_int8_rows(cs + n0 * in_features, in_features, scratch);
           return static_cast<const uint16_t*>(scratch);
         },
-        BFloat16Rows{in_features, in_features}, finish);
+        BFloat16Rows{in_features, in_features}, finish, prefetch);
   }
   return few_rows_product(
       x, out_features, 0, [&](int64_t n0, uint16_t*) { return cs + n0 * in_features; },
@@ -205,7 +208,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
           float sums[kInputRows][kWeightRows]) {
         int8_tile<decltype(mt)::value>(xm, x_stride, rows, in_features, sums);
       },
-      finish);
+      finish, prefetch);
 #else
   TORCH_CHECK(false, "linear_int8: built without AVX-512 BF16");
   return x;
@@ -238,6 +241,11 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const float* ms = mins.data_ptr<float>();
   const Bias b(bias);
   const auto finish = [&](int64_t n, float sum) { return sum + b[n]; };
+  const auto prefetch = [&](int64_t n0) {
+    prefetch_bytes(cs + n0 * padded / 2, kWeightRows * padded / 2);
+    prefetch_bytes(ss + n0 * groups, kWeightRows * groups * sizeof(float));
+    prefetch_bytes(ms + n0 * groups, kWeightRows * groups * sizeof(float));
+  };
   if (x.size(0) > kInputRows) {
     const torch::Tensor xo = group_size % 64 == 0 ? fused_order(x, padded, group_size) : x;
     return few_rows_product(
@@ -247,7 +255,7 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                           group_size, scratch);
           return static_cast<const uint16_t*>(scratch);
         },
-        BFloat16Rows{padded, xo.size(1)}, finish);
+        BFloat16Rows{padded, xo.size(1)}, finish, prefetch);
   }
   return few_rows_product(
       x, out_features, 0, [](int64_t n0, uint16_t*) { return n0; },
@@ -257,7 +265,7 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                                        ss + n0 * groups, ms + n0 * groups, padded, group_size,
                                        sums);
       },
-      finish);
+      finish, prefetch);
 #else
   TORCH_CHECK(false, "linear_int4: built without AVX-512 BF16");
   return x;
