@@ -228,17 +228,12 @@ constexpr bool kVectorRows = std::is_same_v<T, float> || std::is_same_v<T, c10::
 
 // Calls fn(t, rows, room, count) for each run of a sequence's first `len` cached tokens that lies
 // in one block: `count` tokens from token t, `room` rows before the block ends. A token's KV heads
-// are adjacent, so a block is read sequentially; the next block, wherever it lies in the pool, is
-// prefetched while this one is read.
+// are adjacent, so the walk reads the pool sequentially.
 template <typename T, typename Fn>
 inline void for_each_run(const T* cache, const int64_t* table, int64_t len, int64_t block_size,
                          int64_t token_stride, int64_t run, Fn fn) {
   for (int64_t block = 0, t = 0; t < len; ++block) {
     const T* tokens = cache + table[block] * block_size * token_stride;
-    const int64_t next = t + block_size;
-    if (next < len)
-      prefetch_bytes(cache + table[block + 1] * block_size * token_stride,
-                     std::min(block_size, len - next) * token_stride * sizeof(T));
     for (int64_t offset = 0; offset < block_size && t < len; offset += run) {
       const int64_t count = std::min({run, block_size - offset, len - t});
       fn(t, tokens + offset * token_stride, block_size - offset, count);
