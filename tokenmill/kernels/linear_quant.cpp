@@ -271,3 +271,72 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   return x;
 #endif
 }
+
+// Writes W into `out` [R, P] (float32, bfloat16 or float16, contiguous) from int4 codes [R, P / 2]
+// (the layout above), scales and mins float32 [R, P / group_size]: code * scale, then + min, each
+// rounded to float32 as Int4Linear.dequantize_padded's PyTorch path does, then once to out's
+// dtype. One pass, for the de-quantize + GEMM path, where the PyTorch ops took five.
+void dequantize_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins,
+                     int64_t group_size, torch::Tensor out) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == torch::kByte &&
+                  group_size % 2 == 0 && (codes.size(1) * 2) % group_size == 0,
+              "dequantize_int4: codes [R, P / 2] uint8 contiguous, P whole groups");
+  const int64_t rows = codes.size(0), padded = codes.size(1) * 2, groups = padded / group_size;
+  for (const auto& t : {scales, mins})
+    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat &&
+                    t.numel() == rows * groups,
+                "dequantize_int4: scales and mins [R, P / group_size] float32");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == rows &&
+                  out.size(1) == padded, "dequantize_int4: out [R, P] contiguous");
+  const uint8_t* cs = codes.data_ptr<uint8_t>();
+  const float* ss = scales.data_ptr<float>();
+  const float* ms = mins.data_ptr<float>();
+  const int64_t half = group_size / 2;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_int4", [&] {
+    scalar_t* os = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {  // r: one group of one row
+        const uint8_t* bytes = cs + r * half;
+        scalar_t* values = os + r * group_size;
+        const float scale = ss[r], min = ms[r];
+        for (int64_t i = 0; i < half; ++i) {
+          const float low = static_cast<float>(bytes[i] & 0x0F) * scale;
+          const float high = static_cast<float>(bytes[i] >> 4) * scale;
+          values[i] = static_cast<scalar_t>(low + min);
+          values[i + half] = static_cast<scalar_t>(high + min);
+        }
+      }
+    });
+  });
+}
+
+// Writes W into `out` [R, K] (float32, bfloat16 or float16, contiguous) from int8 codes [R, K]
+// and float32 scales [R, K / group_size]: code * scale rounded to float32, as
+// Int8Linear.dequantize_padded's PyTorch path does, then once to out's dtype.
+void dequantize_int8(torch::Tensor codes, torch::Tensor scales, int64_t group_size,
+                     torch::Tensor out) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == torch::kChar &&
+                  codes.size(1) % group_size == 0,
+              "dequantize_int8: codes [R, K] int8 contiguous, K whole groups");
+  const int64_t rows = codes.size(0), in_features = codes.size(1);
+  const int64_t groups = in_features / group_size;
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat &&
+                  scales.numel() == rows * groups,
+              "dequantize_int8: scales [R, K / group_size] float32");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == rows &&
+                  out.size(1) == in_features, "dequantize_int8: out [R, K] contiguous");
+  const int8_t* cs = codes.data_ptr<int8_t>();
+  const float* ss = scales.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_int8", [&] {
+    scalar_t* os = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {  // r: one group of one row
+        const int8_t* group_codes = cs + r * group_size;
+        scalar_t* values = os + r * group_size;
+        const float scale = ss[r];
+        for (int64_t i = 0; i < group_size; ++i)
+          values[i] = static_cast<scalar_t>(static_cast<float>(group_codes[i]) * scale);
+      }
+    });
+  });
+}
