@@ -37,6 +37,29 @@ def random_weight(out_features: int, in_features: int, seed: int = 0) -> torch.T
 
 # ---- round trips ------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_cpu_dequantize_kernels_give_the_pytorch_paths_numbers(dtype: torch.dtype) -> None:
+    """The C++ de-quantizers (one pass) against the PyTorch ops they replace: code * scale (+ min)
+    in float32, then one rounding to the dtype; whole matrices, row slices and looked-up rows."""
+    rows = torch.tensor([5, 0, 47, 5])
+    for group_size in (32, 128):
+        layer = Int4Linear.quantize(random_weight(48, 576), group_size)
+        grouped = layer.codes.view(48, -1, group_size // 2)
+        codes = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1).float()
+        expected = (codes * layer.scales.unsqueeze(-1) + layer.mins.unsqueeze(-1)).flatten(-2)
+        assert torch.equal(layer.dequantize_padded(dtype=dtype), expected.to(dtype))
+        assert torch.equal(layer.dequantize_padded(slice(8, 24), dtype), expected[8:24].to(dtype))
+        assert torch.equal(layer.dequantize(rows, dtype), expected[rows, :576].to(dtype))
+    for group_size in (576, 32):  # int8 mode's one scale a row; GGUF Q8_0's groups of 32
+        codes = torch.randint(-127, 128, (48, 576), dtype=torch.int8)
+        scales = torch.rand(48, 576 // group_size) * 0.01
+        layer = Int8Linear(codes, scales, None, torch.float32, packed_max_rows=0)
+        expected = (codes.view(48, -1, group_size).float() * scales.unsqueeze(-1)).view(48, 576)
+        assert torch.equal(layer.dequantize_padded(dtype=dtype), expected.to(dtype))
+        assert torch.equal(layer.dequantize(rows, dtype), expected[rows].to(dtype))
+
+
+
 def test_int8_round_trip_is_within_half_a_step() -> None:
     weight = random_weight(48, 576)
     layer = Int8Linear.quantize(weight)

@@ -20,9 +20,10 @@ from types import ModuleType
 import torch
 
 logger = logging.getLogger("tokenmill.kernels")
-SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "linear_bf16.cpp", "linear_quant.cpp")
+SOURCES = ("prefetch.cpp", "paged_attention.cpp", "fused_ops.cpp", "linear_bf16.cpp", "linear_quant.cpp")
 FUNCTIONS = ["paged_decode_attention", "rms_norm", "rotary_", "write_kv_cache", "linear_bf16",
-             "linear_bf16_available", "linear_int8", "linear_int4"]
+             "linear_bf16_available", "linear_int8", "linear_int4", "dequantize_int4",
+             "dequantize_int8"]
 # -fopenmp, or at::parallel_for runs on one thread; no FMA contraction: fused_ops.cpp rounds
 # exactly as eager PyTorch does.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]

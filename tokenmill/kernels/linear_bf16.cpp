@@ -67,10 +67,12 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t
 // rows, kWeightRows rows at a time: `rows_at(n0, scratch)` locates rows n0.. (in W's format, or
 // decoded to bfloat16 into `scratch`, scratch_size elements a thread), once for all of x's rows,
 // and `multiply(MT, located, x rows, x_stride, sums)` fills sums for MT (a
-// std::integral_constant) rows of x and those rows of W.
-template <typename RowsAt, typename Multiply, typename Finish>
+// std::integral_constant) rows of x and those rows of W. `prefetch(n0)` asks for rows n0.. in
+// W's format (kernels/prefetch.cpp says why); it is called a block of rows ahead.
+template <typename RowsAt, typename Multiply, typename Finish, typename Prefetch>
 torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int64_t scratch_size,
-                               RowsAt rows_at, Multiply multiply, Finish finish) {
+                               RowsAt rows_at, Multiply multiply, Finish finish,
+                               Prefetch prefetch) {
   const int64_t rows = x.size(0);
   auto out = torch::empty({rows, out_features}, x.options());
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
@@ -81,6 +83,7 @@ torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int
     float sums[kInputRows][kWeightRows];
     for (int64_t tile_index = begin; tile_index < end; ++tile_index) {
       const int64_t n0 = tile_index * kWeightRows;
+      if (tile_index + 1 < end) prefetch(n0 + kWeightRows);
       const auto located = rows_at(n0, scratch.data());
       for (int64_t m0 = 0; m0 < rows; m0 += kInputRows) {
         const uint16_t* xm = xs + m0 * x_stride;
@@ -151,7 +154,10 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
   const int64_t in_features = x.size(1);
   return few_rows_product(
       x, weight.size(0), 0, [&](int64_t n0, uint16_t*) { return ws + n0 * in_features; },
-      BFloat16Rows{in_features, in_features}, [&](int64_t n, float sum) { return sum + b[n]; });
+      BFloat16Rows{in_features, in_features}, [&](int64_t n, float sum) { return sum + b[n]; },
+      [&](int64_t n0) {
+        prefetch_bytes(ws + n0 * in_features, kWeightRows * in_features * sizeof(uint16_t));
+      });
 #else
   TORCH_CHECK(false, "linear_bf16: built without AVX-512 BF16");
   return x;

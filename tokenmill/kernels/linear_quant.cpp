@@ -190,6 +190,9 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const float* ss = scales.data_ptr<float>();
   const Bias b(bias);
   const auto finish = [&](int64_t n, float sum) { return sum * ss[n] + b[n]; };
+  const auto prefetch = [&](int64_t n0) {
+    prefetch_bytes(cs + n0 * in_features, kWeightRows * in_features);
+  };
   if (x.size(0) > kInputRows) {
     return few_rows_product(
         x, out_features, kWeightRows * in_features,
@@ -197,7 +200,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
           widen_int8_rows(cs + n0 * in_features, in_features, scratch);
           return static_cast<const uint16_t*>(scratch);
         },
-        BFloat16Rows{in_features, in_features}, finish);
+        BFloat16Rows{in_features, in_features}, finish, prefetch);
   }
   return few_rows_product(
       x, out_features, 0, [&](int64_t n0, uint16_t*) { return cs + n0 * in_features; },
@@ -205,7 +208,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
           float sums[kInputRows][kWeightRows]) {
         int8_tile<decltype(mt)::value>(xm, x_stride, rows, in_features, sums);
       },
-      finish);
+      finish, prefetch);
 #else
   TORCH_CHECK(false, "linear_int8: built without AVX-512 BF16");
   return x;
@@ -238,6 +241,11 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const float* ms = mins.data_ptr<float>();
   const Bias b(bias);
   const auto finish = [&](int64_t n, float sum) { return sum + b[n]; };
+  const auto prefetch = [&](int64_t n0) {
+    prefetch_bytes(cs + n0 * padded / 2, kWeightRows * padded / 2);
+    prefetch_bytes(ss + n0 * groups, kWeightRows * groups * sizeof(float));
+    prefetch_bytes(ms + n0 * groups, kWeightRows * groups * sizeof(float));
+  };
   if (x.size(0) > kInputRows) {
     const torch::Tensor xo = group_size % 64 == 0 ? fused_order(x, padded, group_size) : x;
     return few_rows_product(
@@ -247,7 +255,7 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                           group_size, scratch);
           return static_cast<const uint16_t*>(scratch);
         },
-        BFloat16Rows{padded, xo.size(1)}, finish);
+        BFloat16Rows{padded, xo.size(1)}, finish, prefetch);
   }
   return few_rows_product(
       x, out_features, 0, [](int64_t n0, uint16_t*) { return n0; },
@@ -257,9 +265,78 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                                        ss + n0 * groups, ms + n0 * groups, padded, group_size,
                                        sums);
       },
-      finish);
+      finish, prefetch);
 #else
   TORCH_CHECK(false, "linear_int4: built without AVX-512 BF16");
   return x;
 #endif
+}
+
+// Writes W into `out` [R, P] (float32, bfloat16 or float16, contiguous) from int4 codes [R, P / 2]
+// (the layout above), scales and mins float32 [R, P / group_size]: code * scale, then + min, each
+// rounded to float32 as Int4Linear.dequantize_padded's PyTorch path does, then once to out's
+// dtype. One pass, for the de-quantize + GEMM path, where the PyTorch ops took five.
+void dequantize_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins,
+                     int64_t group_size, torch::Tensor out) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == torch::kByte &&
+                  group_size % 2 == 0 && (codes.size(1) * 2) % group_size == 0,
+              "dequantize_int4: codes [R, P / 2] uint8 contiguous, P whole groups");
+  const int64_t rows = codes.size(0), padded = codes.size(1) * 2, groups = padded / group_size;
+  for (const auto& t : {scales, mins})
+    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat &&
+                    t.numel() == rows * groups,
+                "dequantize_int4: scales and mins [R, P / group_size] float32");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == rows &&
+                  out.size(1) == padded, "dequantize_int4: out [R, P] contiguous");
+  const uint8_t* cs = codes.data_ptr<uint8_t>();
+  const float* ss = scales.data_ptr<float>();
+  const float* ms = mins.data_ptr<float>();
+  const int64_t half = group_size / 2;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_int4", [&] {
+    scalar_t* os = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {  // r: one group of one row
+        const uint8_t* bytes = cs + r * half;
+        scalar_t* values = os + r * group_size;
+        const float scale = ss[r], min = ms[r];
+        for (int64_t i = 0; i < half; ++i) {
+          const float low = static_cast<float>(bytes[i] & 0x0F) * scale;
+          const float high = static_cast<float>(bytes[i] >> 4) * scale;
+          values[i] = static_cast<scalar_t>(low + min);
+          values[i + half] = static_cast<scalar_t>(high + min);
+        }
+      }
+    });
+  });
+}
+
+// Writes W into `out` [R, K] (float32, bfloat16 or float16, contiguous) from int8 codes [R, K]
+// and float32 scales [R, K / group_size]: code * scale rounded to float32, as
+// Int8Linear.dequantize_padded's PyTorch path does, then once to out's dtype.
+void dequantize_int8(torch::Tensor codes, torch::Tensor scales, int64_t group_size,
+                     torch::Tensor out) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == torch::kChar &&
+                  codes.size(1) % group_size == 0,
+              "dequantize_int8: codes [R, K] int8 contiguous, K whole groups");
+  const int64_t rows = codes.size(0), in_features = codes.size(1);
+  const int64_t groups = in_features / group_size;
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat &&
+                  scales.numel() == rows * groups,
+              "dequantize_int8: scales [R, K / group_size] float32");
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == rows &&
+                  out.size(1) == in_features, "dequantize_int8: out [R, K] contiguous");
+  const int8_t* cs = codes.data_ptr<int8_t>();
+  const float* ss = scales.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_int8", [&] {
+    scalar_t* os = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {  // r: one group of one row
+        const int8_t* group_codes = cs + r * group_size;
+        scalar_t* values = os + r * group_size;
+        const float scale = ss[r];
+        for (int64_t i = 0; i < group_size; ++i)
+          values[i] = static_cast<scalar_t>(static_cast<float>(group_codes[i]) * scale);
+      }
+    });
+  });
 }

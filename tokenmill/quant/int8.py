@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.kernels import cpu_kernels
+from tokenmill.kernels import cpu_kernels, fused_kernels
 from tokenmill.quant.linear import (CPU_PACKED_MAX_ROWS, NO_ROW_LIMIT, QuantizedLinear,
                                     choose_packed_kernel)
 
@@ -55,11 +55,19 @@ class Int8Linear(QuantizedLinear):
         codes = torch.round(weight.float() / steps).clamp(-127, 127).to(torch.int8)
         return cls(codes, scales, bias, weight.dtype, packed_max_rows, packed_kernel)
 
-    def dequantize_padded(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+    def dequantize_padded(self, rows: torch.Tensor | slice | None = None,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
         codes, scales = (self.codes, self.scales) if rows is None \
             else (self.codes[rows], self.scales[rows])
+        kernels = fused_kernels(codes)
+        if kernels is not None:  # one pass instead of three, the same numbers
+            out = torch.empty(codes.shape, dtype=dtype)
+            kernels.dequantize_int8(codes.reshape(-1, codes.shape[-1]),
+                                    scales.reshape(-1, scales.shape[-1]).contiguous(),
+                                    self.group_size, out.view(-1, codes.shape[-1]))
+            return out
         grouped = codes.view(*codes.shape[:-1], -1, self.group_size).float()
-        return grouped.mul_(scales.unsqueeze(-1)).view(codes.shape)
+        return grouped.mul_(scales.unsqueeze(-1)).view(codes.shape).to(dtype)
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_kernel == "tokenmill":

@@ -77,17 +77,20 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.packed_max_rows = packed_max_rows
 
-    def dequantize_padded(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
-        """W (or only W[rows]) as float32 [rows, padded_in_features]."""
+    def dequantize_padded(self, rows: torch.Tensor | slice | None = None,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W (or only W[rows]) [rows, padded_in_features]: each value computed in float32, then
+        rounded once to `dtype`."""
         raise NotImplementedError
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] @ W^T + b by the packed kernel."""
         raise NotImplementedError
 
-    def dequantize(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
-        """W (or only W[rows]) as float32 [rows, in_features]."""
-        return self.dequantize_padded(rows)[..., :self.in_features]
+    def dequantize(self, rows: torch.Tensor | slice | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W (or only W[rows]) [rows, in_features], as dequantize_padded computes it."""
+        return self.dequantize_padded(rows, dtype)[..., :self.in_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -118,7 +121,7 @@ class QuantizedLinear(nn.Module):
         for start in range(0, self.out_features, step):
             rows = slice(start, start + step)
             bias = None if self.bias is None else self.bias[rows]
-            outputs.append(F.linear(x, self.dequantize_padded(rows).to(x.dtype), bias))
+            outputs.append(F.linear(x, self.dequantize_padded(rows, x.dtype), bias))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
 
@@ -134,4 +137,4 @@ class QuantizedEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.weight.dequantize(input_ids).to(self.dtype)
+        return self.weight.dequantize(input_ids, self.dtype)
