@@ -2,11 +2,12 @@
 //
 // The few-row products read four weight rows side by side: four streams of one row's length (18
 // cache lines for a 576-wide bf16 row), and every block of rows starts four new ones. The
-// hardware prefetcher barely gets going on streams that short: reading weights in the product's
-// order ran at 9.5 GB/s on one core here against 21 GB/s for one long stream, and asking for the
-// next block of rows in address order while the current one is multiplied brought it to 20
-// (benchmarks/bench_weight_streaming.py measures the products). Decode attention, which reads a
-// few KB of one KV block and then jumps to the next, showed no gain from the same (not used).
+// hardware prefetcher barely gets going on streams that short. Asking for the next block of rows
+// in address order while the current one is multiplied lifted the one-row bf16 product on the
+// 576-wide shapes from 9 to 15 GB/s to 15 to 26 (benchmarks/bench_weight_streaming.py,
+// docs/quantization.md); on 1536-wide rows, long enough for the hardware, it gained nothing.
+// Decode attention, which reads a few KB of one KV block and then jumps to the next, showed no
+// gain from the same in an engine A/B, so it does not prefetch.
 #include <cstdint>
 
 namespace {
