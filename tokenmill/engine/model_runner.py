@@ -22,8 +22,8 @@ from tokenmill.distributed.shard import TensorShard
 from tokenmill.distributed.worker_group import WorkerGroup
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledChunk, SchedulerOutput
-from tokenmill.model.attention import (AttentionMetadata, decode_kernel_available, padding_mask,
-                                       prefill_chunk)
+from tokenmill.model.attention import (AttentionMetadata, cache_slot, decode_kernel_available,
+                                       padding_mask, prefill_chunk)
 from tokenmill.model.kv_int8 import cache_row
 from tokenmill.model.kv_smoothing import CALIBRATION_TEXT
 from tokenmill.model.llama import LlamaForCausalLM
@@ -205,7 +205,7 @@ class ModelRunner:
             input_ids.extend(tokens)
             positions.extend(range(start, end))
             blocks = request.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            slots.extend(cache_slot(blocks, p, bs) for p in range(start, end))
             if chunk.completes_sequence:  # the last known token, then each speculative one
                 logits_indices.extend(range(len(input_ids) - 1 - chunk.num_spec_tokens,
                                             len(input_ids)))

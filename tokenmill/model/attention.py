@@ -48,6 +48,12 @@ class AttentionMetadata:
         return 0 if self.decode_block_tables is None else self.decode_block_tables.shape[0]
 
 
+def cache_slot(block_ids: list[int], position: int, block_size: int) -> int:
+    """The flat cache slot (a row of the pool's [blocks * block_size] tokens) holding the K/V of
+    the token at `position` of a sequence whose blocks are `block_ids`."""
+    return block_ids[position // block_size] * block_size + position % block_size
+
+
 def causal_mask_with_prefix(query_len: int, context_len: int, dtype: torch.dtype,
                             device: torch.device) -> torch.Tensor:
     """Query i sits at position context_len - query_len + i and sees keys up to that position."""

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from tokenmill.model.attention import (AttentionMetadata, decode_kernel_available, padding_mask,
-                                       prefill_chunk)
+from tokenmill.model.attention import (AttentionMetadata, cache_slot, decode_kernel_available,
+                                       padding_mask, prefill_chunk)
 from tokenmill.model.kv_smoothing import CALIBRATION_TEXT
 from tokenmill.model.llama import DecoderLayer, LlamaForCausalLM
 
@@ -88,7 +88,7 @@ def sample(model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int) -
         if step == new_tokens - 1:
             break
         positions = torch.tensor([len(s) - 1 for s in sequences], device=device)
-        slots = torch.tensor([t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+        slots = torch.tensor([cache_slot(t, p, BLOCK_SIZE)
                               for t, p in zip(tables, positions.tolist())], device=device)
         seq_lens = positions + 1
         mask = None if use_kernel else padding_mask(seq_lens, seq_blocks * BLOCK_SIZE,
@@ -152,7 +152,7 @@ def _prefill_inputs(model: LlamaForCausalLM, sequences: list[list[int]], tables:
         n = len(sequence)
         chunks.append(prefill_chunk(query_start, n, n, torch.tensor(table, device=device),
                                     use_kernel, dtype, device))
-        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)]
+        slots += [cache_slot(table, p, BLOCK_SIZE) for p in range(n)]
         query_start += n
     input_ids = torch.tensor([t for s in sequences for t in s], device=device)
     positions = torch.tensor([p for s in sequences for p in range(len(s))], device=device)

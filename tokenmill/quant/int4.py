@@ -77,10 +77,11 @@ class Int4Linear(QuantizedLinear):
                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.codes is None:
             raise RuntimeError("this layer keeps only the packed kernel's copy of its codes")
-        codes, scales, mins = (self.codes, self.scales, self.mins) if rows is None \
-            else (self.codes[rows], self.scales[rows], self.mins[rows])
-        kernels = fused_kernels(codes)
+        scales, mins = (self.scales, self.mins) if rows is None \
+            else (self.scales[rows], self.mins[rows])
+        kernels = fused_kernels(self.codes)
         if kernels is not None:  # one pass instead of five, the same numbers
+            codes = self.codes if rows is None else self.codes[rows]
             out = torch.empty(*codes.shape[:-1], self.padded_in_features, dtype=dtype)
             kernels.dequantize_int4(codes.reshape(-1, codes.shape[-1]),
                                     scales.reshape(-1, scales.shape[-1]).contiguous(),
