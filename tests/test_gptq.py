@@ -87,6 +87,8 @@ def test_inputs_that_are_always_zero_leave_no_nan() -> None:
 def test_quant_method_is_validated_and_named_in_eval_configs() -> None:
     with pytest.raises(ValueError, match="invalid engine option quant_method='awq'"):
         EngineConfig(quantization="int4", quant_method="awq")
+    assert parse_config("int4+gptq-hadamard").overrides == {"quantization": "int4",
+                                                           "quant_method": "gptq-hadamard"}
     assert parse_config("int4-g32+rtn").overrides == {"quantization": "int4",
                                                       "quant_group_size": 32,
                                                       "quant_method": "rtn"}
@@ -128,3 +130,20 @@ def test_gptq_differs_from_rtn_and_its_cache_is_read_back(tiny_gptq, monkeypatch
         codes = first.get_submodule(name).codes
         assert torch.equal(again.get_submodule(name).codes, codes)
         assert not torch.equal(rtn.get_submodule(name).codes, codes)
+
+
+def test_gptq_hadamard_rotates_the_decoder_inputs_and_keeps_batch_invariance(
+        tmp_path, smollm, monkeypatch) -> None:
+    folder = write_tiny_model(tmp_path / "tiny", smollm, "LlamaForCausalLM", 4, 2)
+    monkeypatch.setenv("TOKENMILL_QUANT_CACHE_DIR", str(tmp_path / "cache"))
+    llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=64, block_size=8,
+              max_num_batched_tokens=64, debug_checks=True, quantization="int4",
+              quant_group_size=32, quant_method="gptq-hadamard")
+    model = llm.engine.runner.model
+    for name in ("layers.0.self_attn.qkv", "layers.0.self_attn.o_proj", "layers.1.mlp.gate_up",
+                 "layers.1.mlp.down"):
+        assert model.get_submodule(name).input_rotation is not None
+    assert model.lm_head.input_rotation is None
+    prompts = tiny_prompts()
+    batched = greedy_tokens(llm, prompts, max_tokens=12)
+    assert batched == [greedy_tokens(llm, [p], max_tokens=12)[0] for p in prompts]

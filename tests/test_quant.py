@@ -22,6 +22,7 @@ from tokenmill.quant.gguf import gguf_linear
 from tokenmill.quant.int4 import Int4Linear
 from tokenmill.quant.int8 import Int8Linear
 from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedEmbedding, QuantizedLinear, own_kernels
+from tokenmill.quant.rotation import rotation_matrix, rotate_input, rotation_signs
 
 ROW_COUNTS = (1, 3, 8, 64, 256)
 PACKED, DEQUANTIZE = NO_ROW_LIMIT, 0  # packed_max_rows forcing one path at every row count
@@ -88,9 +89,13 @@ def test_int4_round_trip_is_within_half_a_step(group_size: int, in_features: int
 
 def layers(weight: torch.Tensor, bias: torch.Tensor | None, packed_max_rows: int | None,
            packed_kernel: str | None = None) -> list[QuantizedLinear]:
+    """int8, int4 in groups of 32 and 128, and int4 of the rotated weight (quant_method
+    *-hadamard)."""
     return [Int8Linear.quantize(weight, bias, packed_max_rows, packed_kernel),
             Int4Linear.quantize(weight, 32, bias, packed_max_rows, packed_kernel=packed_kernel),
-            Int4Linear.quantize(weight, 128, bias, packed_max_rows, packed_kernel=packed_kernel)]
+            Int4Linear.quantize(weight, 128, bias, packed_max_rows, packed_kernel=packed_kernel),
+            Int4Linear.quantize(weight, 128, bias, packed_max_rows, packed_kernel=packed_kernel,
+                                input_rotation=rotation_signs(weight.shape[1]))]
 
 
 OWN_KERNELS = own_kernels(torch.device("cpu"), torch.bfloat16, 96, 576) is not None
@@ -108,16 +113,52 @@ def test_quantized_linear_matches_float_reference(dtype: torch.dtype, path: int 
     weight, bias = random_weight(96, 576).to(dtype), torch.randn(96).to(dtype)
     tolerance = {torch.float32: 1e-4, torch.bfloat16: 5e-2}[dtype]
     for layer, twin in zip(layers(weight, bias, path, kernel), layers(weight, bias, DEQUANTIZE)):
-        # The float reference: the same codes de-quantized, in a float GEMM.
+        # The float reference: the same codes de-quantized, in a float GEMM (of x R and W R
+        # for a rotated layer).
         reference_weight = twin.dequantize().to(dtype)
         for rows in ROW_COUNTS:
             x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(dtype)
             out = layer(x)
             assert out.dtype == dtype and out.shape == (rows, 96)
-            expected = F.linear(x, reference_weight, bias)
+            expected = F.linear(twin.rotated(x), reference_weight, bias)
             torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
             # ... and the original float weight, within what quantization costs
             assert (out.float() - F.linear(x, weight, bias).float()).abs().mean() < 0.15
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_input_rotation_is_orthogonal_and_its_kernel_gives_the_matrix_product(
+        dtype: torch.dtype) -> None:
+    signs = rotation_signs(576)
+    rotation = rotation_matrix(signs)
+    torch.testing.assert_close(rotation @ rotation.T, torch.eye(64), rtol=0, atol=1e-6)
+    assert rotation_signs(100) is None  # a width 64 doesn't divide keeps its inputs
+    x = torch.randn(5, 576).to(dtype)
+    expected = (x.float().reshape(-1, 64) @ rotation).to(dtype).view(x.shape)
+    out = rotate_input(x, signs)  # kernels/hadamard.cpp where it built
+    assert out.dtype == dtype and out.shape == x.shape
+    # the same sums in another order: float32 rounding, then at most one step of the dtype
+    torch.testing.assert_close(out, expected, rtol=1e-6 if dtype == torch.float32 else 1e-2,
+                               atol=1e-6)
+    back = (out.float().reshape(-1, 64) @ rotation.T).view(x.shape)
+    torch.testing.assert_close(back, x.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_input_rotation_lowers_the_int4_error_of_outlier_weights() -> None:
+    """A few large weights a row stretch their group's range; rotated, they spread over 64
+    inputs and every other weight of the group is rounded on a finer grid."""
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(128, 512, generator=generator) * 0.02
+    outliers = torch.rand(weight.shape, generator=generator) < 0.01
+    weight[outliers] *= 25
+    x = torch.randn(256, 512, generator=generator)
+    reference = x @ weight.T
+
+    def error(layer: Int4Linear) -> float:
+        return float((layer(x) - reference).norm() / reference.norm())
+
+    rotated = Int4Linear.quantize(weight, 128, input_rotation=rotation_signs(512))
+    assert error(rotated) < 0.6 * error(Int4Linear.quantize(weight, 128))
 
 
 def test_paths_agree_and_keep_leading_dimensions() -> None:

@@ -13,8 +13,9 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 # How int4 codes are chosen (docs/quantization.md): round to nearest; GPTQ with act-order and
-# static groups; GPTQ over the columns in their own order.
-QUANT_METHODS = ("rtn", "gptq", "gptq-in-order")
+# static groups; GPTQ over the columns in their own order; and gptq or rtn of the decoder's
+# products with their inputs rotated (tokenmill/quant/rotation.py).
+QUANT_METHODS = ("rtn", "gptq", "gptq-in-order", "gptq-hadamard", "rtn-hadamard")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: tokenmill/model/kv_int8.py
 SPECULATIVE_METHODS = ("ngram", "draft", "self")
 
@@ -41,7 +42,7 @@ class EngineConfig:
     debug_checks: bool = False  # assert block accounting after every step
     quantization: str = "none"  # weights: none, int8 (per channel), int4 (grouped), gguf (own)
     quant_group_size: int = 128  # inputs per int4 scale and zero point
-    quant_method: str = "gptq"  # int4 only: gptq (calibrated at load), gptq-in-order or rtn
+    quant_method: str = "gptq-hadamard"  # int4 only: one of QUANT_METHODS
     kv_cache_dtype: str = "auto"  # int8: a scale per token and head, about twice the tokens
     # Speculative decoding (docs/speculative.md); None turns it off.
     speculative_method: str | None = None  # ngram (prompt lookup), draft (a second model), self

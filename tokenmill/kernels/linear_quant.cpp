@@ -217,11 +217,14 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 
 // x [M, K] bfloat16 with contiguous rows; codes uint8 [N, P / 2] contiguous, P the row's length
 // padded to whole groups (group_size a multiple of 32), N a multiple of 4; scales and mins float32
-// [N, P / group_size]; bias [N] bfloat16 or None. Returns [M, N] bfloat16.
+// [N, P / group_size]; bias [N] bfloat16 or None; rotation_signs, when given, rotate x first
+// (hadamard.cpp): the layer's codes are of W R. Returns [M, N] bfloat16.
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                           torch::Tensor mins, int64_t group_size,
-                          c10::optional<torch::Tensor> bias) {
+                          c10::optional<torch::Tensor> bias,
+                          c10::optional<torch::Tensor> rotation_signs) {
 #if defined(__AVX512BF16__)
+  if (rotation_signs) x = hadamard_rotate(x, *rotation_signs);
   const int64_t in_features = x.size(1), out_features = codes.size(0);
   const int64_t padded = codes.size(1) * 2;
   check_few_rows_input(x, bias, out_features, "linear_int4");

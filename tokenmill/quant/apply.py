@@ -9,7 +9,9 @@ int4 with quant_method gptq runs calibration through the model a decoder layer a
 layer's products are quantized by GPTQ from the Hessians of their inputs, then the calibration
 runs through the quantized layer to give the next layer its inputs, so each layer corrects the
 errors of the ones before it; the lm_head's inputs are the final-norm hidden states. An untied
-embedding is only looked up, so it has no Hessian and is rounded to nearest.
+embedding is only looked up, so it has no Hessian and is rounded to nearest. The -hadamard
+methods quantize each decoder product as W R for a fixed orthogonal R (tokenmill/quant/rotation.py)
+and rotate its inputs at run time; GPTQ then sees the Hessian of the rotated inputs, R^T H R.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from tokenmill.quant.gptq import Hessian, gptq_levels
 from tokenmill.quant.int4 import Int4Linear, pack_levels
 from tokenmill.quant.int8 import Int8Linear
 from tokenmill.quant.linear import QuantizedEmbedding, QuantizedLinear
+from tokenmill.quant.rotation import BLOCK as ROTATION_BLOCK
+from tokenmill.quant.rotation import SEED as ROTATION_SEED
+from tokenmill.quant.rotation import rotate_hessian, rotate_input, rotation_signs
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +55,15 @@ def quantize_model(model: LlamaForCausalLM, quantization: str, group_size: int,
         blocks = read_gguf_blocks(source)
     tied = model.config.tie_word_embeddings
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
-    calibrated = _gptq_layers(model, dict(linears), group_size, loaded,
-                              act_order=quant_method == "gptq") \
+    rotate = quant_method.endswith("-hadamard")
+    calibrated = _gptq_layers(model, dict(linears), group_size, loaded, quant_method) \
         if quantization == "int4" and quant_method.startswith("gptq") else {}
     for name, linear in linears:
         looks_up_rows = tied and linear is model.lm_head
+        rotation = _input_rotation(name, linear) if quantization == "int4" and rotate else None
         quantized = calibrated.get(name) or _quantize(linear, quantization, group_size, blocks,
-                                                      looks_up_rows=looks_up_rows)
+                                                      looks_up_rows=looks_up_rows,
+                                                      input_rotation=rotation)
         if quantized is not None:
             model.set_submodule(name, quantized)
     dtype = model.norm.weight.dtype
@@ -70,44 +77,63 @@ def quantize_model(model: LlamaForCausalLM, quantization: str, group_size: int,
             model.embed_tokens = QuantizedEmbedding(quantized, dtype)
 
 
+def _input_rotation(name: str, linear: Linear) -> torch.Tensor | None:
+    """The decoder products' input rotation; the lm_head keeps its inputs (a tied one is also
+    the embedding, whose rows are looked up unrotated)."""
+    if not name.startswith("layers."):
+        return None
+    return rotation_signs(linear.weight.shape[1], linear.weight.device)
+
+
 def _gptq_layers(model: LlamaForCausalLM, linears: dict[str, Linear], group_size: int,
-                 loaded: LoadedModel, act_order: bool) -> dict[str, Int4Linear]:
+                 loaded: LoadedModel, quant_method: str) -> dict[str, Int4Linear]:
     """`linears` (every Linear of `model`, by name) by GPTQ; from the disk cache when it has
     them."""
     dtype, device = model.norm.weight.dtype, model.norm.weight.device
+    act_order = quant_method != "gptq-in-order"
+    rotate = quant_method.endswith("-hadamard")
+    rotation_key = {"input_rotation": (ROTATION_BLOCK, ROTATION_SEED)} if rotate else {}
     path = cache.cache_path(loaded.path, config=model.config, group_size=group_size,
                             act_order=act_order, dtype=str(dtype),
-                            calibration=CALIBRATION_VERSION)
+                            calibration=CALIBRATION_VERSION, **rotation_key)
     tensors = cache.load(path, device)
     if tensors is None:
         start = time.perf_counter()
-        tensors = _run_gptq(model, group_size, loaded, act_order)
+        tensors = _run_gptq(model, group_size, loaded, act_order, rotate)
         cache.save(path, tensors)
         logger.info("int4 by GPTQ in %.0f s, cached in %s", time.perf_counter() - start, path)
     tied = model.config.tie_word_embeddings
-    return {name: _int4_layer(tensors, name, linear, looks_up_rows=tied and name == "lm_head")
+    return {name: _int4_layer(tensors, name, linear, looks_up_rows=tied and name == "lm_head",
+                              input_rotation=_input_rotation(name, linear) if rotate else None)
             for name, linear in linears.items()}
 
 
 def _int4_layer(tensors: dict[str, torch.Tensor], name: str, linear: Linear,
-                looks_up_rows: bool = False) -> Int4Linear:
+                looks_up_rows: bool = False,
+                input_rotation: torch.Tensor | None = None) -> Int4Linear:
     return Int4Linear(tensors[f"{name}.codes"], tensors[f"{name}.scales"],
                       tensors[f"{name}.mins"], linear.weight.shape[1], linear.bias,
-                      linear.weight.dtype, looks_up_rows=looks_up_rows)
+                      linear.weight.dtype, looks_up_rows=looks_up_rows,
+                      input_rotation=input_rotation)
 
 
 def _run_gptq(model: LlamaForCausalLM, group_size: int, loaded: LoadedModel,
-              act_order: bool) -> dict[str, torch.Tensor]:
+              act_order: bool, rotate: bool) -> dict[str, torch.Tensor]:
     """Quantizes the model's layers in place, first to last, and returns their tensors."""
     sequences = calibration_sequences(model, loaded.tokenizer, loaded.chat_template)
     calibration = LayerwiseCalibration(model, sequences)
     tensors: dict[str, torch.Tensor] = {}
 
     def quantize(name: str, linear: Linear, hessian: Hessian) -> None:
-        levels, scales, mins = gptq_levels(linear.weight, hessian.matrix, group_size, act_order)
+        weight, matrix = linear.weight, hessian.matrix
+        rotation = _input_rotation(name, linear) if rotate else None
+        if rotation is not None:  # GPTQ of W R on the inputs x R
+            weight = rotate_input(weight.float(), rotation)
+            matrix = rotate_hessian(matrix, rotation)
+        levels, scales, mins = gptq_levels(weight, matrix, group_size, act_order)
         tensors.update({f"{name}.codes": pack_levels(levels, group_size),
                         f"{name}.scales": scales, f"{name}.mins": mins})
-        model.set_submodule(name, _int4_layer(tensors, name, linear))
+        model.set_submodule(name, _int4_layer(tensors, name, linear, input_rotation=rotation))
 
     for index, layer in enumerate(model.layers):
         linears = {f"layers.{index}.{name}": m for name, m in layer.named_modules()
@@ -130,13 +156,15 @@ def _run_gptq(model: LlamaForCausalLM, group_size: int, loaded: LoadedModel,
 
 def _quantize(linear: Linear, quantization: str, group_size: int,
               blocks: dict[str, GGUFBlocks], packed_max_rows: int | None = None,
-              looks_up_rows: bool = False) -> QuantizedLinear | None:
-    """The quantized replacement of `linear`, or None where it stays float."""
+              looks_up_rows: bool = False,
+              input_rotation: torch.Tensor | None = None) -> QuantizedLinear | None:
+    """The quantized replacement of `linear`, or None where it stays float; int4 only takes
+    an `input_rotation`."""
     if quantization == "int8":
         return Int8Linear.quantize(linear.weight, linear.bias, packed_max_rows)
     if quantization == "int4":
         return Int4Linear.quantize(linear.weight, group_size, linear.bias, packed_max_rows,
-                                   looks_up_rows)
+                                   looks_up_rows, input_rotation=input_rotation)
     return gguf_linear([blocks[source] for source in linear.sources], linear.bias,
                        linear.weight.dtype, linear.weight.device)
 

@@ -15,13 +15,15 @@ import torch.nn.functional as F
 from tokenmill.kernels import cpu_kernels, fused_kernels
 from tokenmill.quant.linear import (CPU_PACKED_MAX_ROWS, NO_ROW_LIMIT, QuantizedLinear,
                                     choose_packed_kernel)
+from tokenmill.quant.rotation import rotate_input
 
 
 class Int4Linear(QuantizedLinear):
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                  in_features: int, bias: torch.Tensor | None, dtype: torch.dtype,
                  packed_max_rows: int | None = None, looks_up_rows: bool = False,
-                 packed_kernel: str | None = None) -> None:
+                 packed_kernel: str | None = None,
+                 input_rotation: torch.Tensor | None = None) -> None:
         """codes uint8 [out, padded_in / 2]; scales, mins float32 [out, padded_in / group_size];
         `dtype` the activations'. packed_kernel "tokenmill" or "aten", None for tokenmill's where
         it can run; packed_max_rows None picks that kernel's measured crossover when it can run
@@ -32,7 +34,8 @@ class Int4Linear(QuantizedLinear):
         if packed_max_rows is None:
             packed_max_rows = _default_packed_max_rows(codes.device, dtype, out_features,
                                                        padded_in_features, packed_kernel)
-        super().__init__(out_features, in_features, padded_in_features, bias, packed_max_rows)
+        super().__init__(out_features, in_features, padded_in_features, bias, packed_max_rows,
+                         input_rotation)
         self.group_size = padded_in_features // scales.shape[1]
         self.packed_kernel = packed_kernel
         self.register_buffer("codes", codes)
@@ -50,11 +53,15 @@ class Int4Linear(QuantizedLinear):
     @classmethod
     def quantize(cls, weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None,
                  packed_max_rows: int | None = None, looks_up_rows: bool = False,
-                 packed_kernel: str | None = None) -> "Int4Linear":
-        """Min/max per group, as GGUF's Q4_1; the error of each value is at most scale / 2."""
+                 packed_kernel: str | None = None,
+                 input_rotation: torch.Tensor | None = None) -> "Int4Linear":
+        """Min/max per group, as GGUF's Q4_1; the error of each value is at most scale / 2.
+        With an `input_rotation` R, of W R."""
         out_features, in_features = weight.shape
         padding = -in_features % group_size
         values = weight.detach().float()
+        if input_rotation is not None:
+            values = rotate_input(values, input_rotation)
         if padding:  # repeating the last column keeps the last group's range its own
             values = F.pad(values, (0, padding), mode="replicate")
         groups = values.view(out_features, -1, group_size)
@@ -65,7 +72,7 @@ class Int4Linear(QuantizedLinear):
         steps = torch.where(scales > 0, scales, 1.0).unsqueeze(-1)
         levels = torch.round((groups - mins.unsqueeze(-1)) / steps).clamp(0, 15).to(torch.uint8)
         return cls(pack_levels(levels.flatten(1), group_size), scales, mins, in_features, bias,
-                   weight.dtype, packed_max_rows, looks_up_rows, packed_kernel)
+                   weight.dtype, packed_max_rows, looks_up_rows, packed_kernel, input_rotation)
 
     def unpacked_codes(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         """Codes one per byte, uint8 [rows, padded_in / group_size, group_size]."""
@@ -95,13 +102,13 @@ class Int4Linear(QuantizedLinear):
         return values.add_(mins.unsqueeze(-1)).flatten(-2).to(dtype)
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_kernel == "tokenmill":
+        if self.packed_kernel == "tokenmill":  # it rotates x itself: one call less at decode
             return cpu_kernels().linear_int4(x, self.codes, self.scales, self.mins,
-                                             self.group_size, self.bias)
+                                             self.group_size, self.bias, self.input_rotation)
         matmul = torch.ops.aten._weight_int4pack_mm if x.is_cuda \
             else torch.ops.aten._weight_int4pack_mm_for_cpu
-        return self.add_bias(matmul(self.padded(x), self.kernel_weight, self.group_size,
-                                    self.kernel_scale_zeros))
+        return self.add_bias(matmul(self.padded(self.rotated(x)), self.kernel_weight,
+                                    self.group_size, self.kernel_scale_zeros))
 
     def _pack_for_kernel(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # The kernels compute (code - 8) * scale + zero, so zero = min + 8 * scale; they take

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels import cpu_kernels
+from tokenmill.quant.rotation import rotate_input
 
 # packed_max_rows of a layer whose packed kernel wins at every row count.
 NO_ROW_LIMIT = sys.maxsize
@@ -67,10 +68,14 @@ class QuantizedLinear(nn.Module):
     """
 
     def __init__(self, out_features: int, in_features: int, padded_in_features: int,
-                 bias: torch.Tensor | None, packed_max_rows: int) -> None:
+                 bias: torch.Tensor | None, packed_max_rows: int,
+                 input_rotation: torch.Tensor | None = None) -> None:
         """W may be stored padded to whole quantization groups, `padded_in_features` wide; inputs
-        are then padded with zeros to match, so the padding adds nothing."""
+        are then padded with zeros to match, so the padding adds nothing. With an
+        `input_rotation` (the signs of a rotation R, tokenmill/quant/rotation.py) the stored W is
+        the float W R, and every input is rotated to x R first."""
         super().__init__()
+        self.register_buffer("input_rotation", input_rotation)
         self.out_features = out_features
         self.in_features = in_features
         self.padded_in_features = padded_in_features
@@ -84,7 +89,7 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, in_features] @ W^T + b by the packed kernel."""
+        """x [rows, in_features] @ W^T + b by the packed kernel; x not yet rotated."""
         raise NotImplementedError
 
     def dequantize(self, rows: torch.Tensor | slice | None = None,
@@ -95,11 +100,15 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows > self.packed_max_rows:
-            return self._dequantized_matmul(self.padded(x))
+            return self._dequantized_matmul(self.padded(self.rotated(x)))
         if x.dim() == 2:  # the model's case: no reshapes, a few microseconds a call at decode
             return self.packed_matmul(x)
         out = self.packed_matmul(x.reshape(rows, self.in_features))
         return out.view(*x.shape[:-1], self.out_features)
+
+    def rotated(self, x: torch.Tensor) -> torch.Tensor:
+        """x R, or x where the layer has no input rotation."""
+        return x if self.input_rotation is None else rotate_input(x, self.input_rotation)
 
     def padded(self, x: torch.Tensor) -> torch.Tensor:
         """x with zeros up to padded_in_features."""
@@ -132,6 +141,8 @@ class QuantizedEmbedding(nn.Module):
     """
 
     def __init__(self, weight: QuantizedLinear, dtype: torch.dtype) -> None:
+        if weight.input_rotation is not None:
+            raise ValueError("an embedding can't look its rows up in a rotated weight")
         super().__init__()
         self.weight = weight
         self.dtype = dtype
