@@ -55,12 +55,11 @@ def quantize_model(model: LlamaForCausalLM, quantization: str, group_size: int,
         blocks = read_gguf_blocks(source)
     tied = model.config.tie_word_embeddings
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
-    rotate = quant_method.endswith("-hadamard")
     calibrated = _gptq_layers(model, dict(linears), group_size, loaded, quant_method) \
         if quantization == "int4" and quant_method.startswith("gptq") else {}
     for name, linear in linears:
         looks_up_rows = tied and linear is model.lm_head
-        rotation = _input_rotation(name, linear) if quantization == "int4" and rotate else None
+        rotation = _input_rotation(name, linear, quant_method) if quantization == "int4" else None
         quantized = calibrated.get(name) or _quantize(linear, quantization, group_size, blocks,
                                                       looks_up_rows=looks_up_rows,
                                                       input_rotation=rotation)
@@ -77,10 +76,10 @@ def quantize_model(model: LlamaForCausalLM, quantization: str, group_size: int,
             model.embed_tokens = QuantizedEmbedding(quantized, dtype)
 
 
-def _input_rotation(name: str, linear: Linear) -> torch.Tensor | None:
-    """The decoder products' input rotation; the lm_head keeps its inputs (a tied one is also
-    the embedding, whose rows are looked up unrotated)."""
-    if not name.startswith("layers."):
+def _input_rotation(name: str, linear: Linear, quant_method: str) -> torch.Tensor | None:
+    """The decoder products' input rotation under the -hadamard methods; the lm_head keeps its
+    inputs (a tied one is also the embedding, whose rows are looked up unrotated)."""
+    if not quant_method.endswith("-hadamard") or not name.startswith("layers."):
         return None
     return rotation_signs(linear.weight.shape[1], linear.weight.device)
 
@@ -91,20 +90,20 @@ def _gptq_layers(model: LlamaForCausalLM, linears: dict[str, Linear], group_size
     them."""
     dtype, device = model.norm.weight.dtype, model.norm.weight.device
     act_order = quant_method != "gptq-in-order"
-    rotate = quant_method.endswith("-hadamard")
-    rotation_key = {"input_rotation": (ROTATION_BLOCK, ROTATION_SEED)} if rotate else {}
+    rotation_key = {"input_rotation": (ROTATION_BLOCK, ROTATION_SEED)} \
+        if quant_method.endswith("-hadamard") else {}
     path = cache.cache_path(loaded.path, config=model.config, group_size=group_size,
                             act_order=act_order, dtype=str(dtype),
                             calibration=CALIBRATION_VERSION, **rotation_key)
     tensors = cache.load(path, device)
     if tensors is None:
         start = time.perf_counter()
-        tensors = _run_gptq(model, group_size, loaded, act_order, rotate)
+        tensors = _run_gptq(model, group_size, loaded, act_order, quant_method)
         cache.save(path, tensors)
         logger.info("int4 by GPTQ in %.0f s, cached in %s", time.perf_counter() - start, path)
     tied = model.config.tie_word_embeddings
     return {name: _int4_layer(tensors, name, linear, looks_up_rows=tied and name == "lm_head",
-                              input_rotation=_input_rotation(name, linear) if rotate else None)
+                              input_rotation=_input_rotation(name, linear, quant_method))
             for name, linear in linears.items()}
 
 
@@ -118,7 +117,7 @@ def _int4_layer(tensors: dict[str, torch.Tensor], name: str, linear: Linear,
 
 
 def _run_gptq(model: LlamaForCausalLM, group_size: int, loaded: LoadedModel,
-              act_order: bool, rotate: bool) -> dict[str, torch.Tensor]:
+              act_order: bool, quant_method: str) -> dict[str, torch.Tensor]:
     """Quantizes the model's layers in place, first to last, and returns their tensors."""
     sequences = calibration_sequences(model, loaded.tokenizer, loaded.chat_template)
     calibration = LayerwiseCalibration(model, sequences)
@@ -126,7 +125,7 @@ def _run_gptq(model: LlamaForCausalLM, group_size: int, loaded: LoadedModel,
 
     def quantize(name: str, linear: Linear, hessian: Hessian) -> None:
         weight, matrix = linear.weight, hessian.matrix
-        rotation = _input_rotation(name, linear) if rotate else None
+        rotation = _input_rotation(name, linear, quant_method)
         if rotation is not None:  # GPTQ of W R on the inputs x R
             weight = rotate_input(weight.float(), rotation)
             matrix = rotate_hessian(matrix, rotation)

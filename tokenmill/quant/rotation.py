@@ -16,6 +16,8 @@ channels before the weights' rounding errors meet them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tokenmill.kernels import fused_kernels
@@ -50,8 +52,14 @@ def rotate_hessian(hessian: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 
 def rotation_matrix(signs: torch.Tensor) -> torch.Tensor:
     """R itself, float32 [BLOCK, BLOCK]."""
-    hadamard = torch.ones(1, 1, device=signs.device)
+    return signs[:, None] * _scaled_hadamard(signs.device)
+
+
+@functools.cache
+def _scaled_hadamard(device: torch.device) -> torch.Tensor:
+    """H / 8, built once a device: the PyTorch path (a GPU's) multiplies by R at every call."""
+    hadamard = torch.ones(1, 1, device=device)
     while hadamard.shape[0] < BLOCK:
         hadamard = torch.cat([torch.cat([hadamard, hadamard], 1),
                               torch.cat([hadamard, -hadamard], 1)])
-    return signs[:, None] * hadamard / BLOCK ** 0.5
+    return hadamard / BLOCK ** 0.5
