@@ -68,6 +68,12 @@ class WorkerGroup:
             raise RuntimeError("the tensor-parallel workers have stopped after an error")
         self.in_step = True
         try:
+            # gloo may never notice a lost peer, so a send to a dead worker can block for good
+            # (the control group's timeout is a year); this node's workers are checked first.
+            dead = next((p for p in self.processes if not p.is_alive()), None)
+            if dead is not None:
+                raise RuntimeError(f"tensor parallel: {dead.name} exited with code "
+                                   f"{dead.exitcode}")
             send_step(self.group, input_ids, positions, meta)
             yield
         except BaseException:
