@@ -3,14 +3,66 @@
 //
 // As a matrix product it is one small GEMM a layer whose dispatch costs more than its arithmetic
 // at decode (20 us against about 1); here the signs, a fast Walsh-Hadamard transform (six
-// butterfly passes, in float32) and one rounding to x's dtype. The PyTorch path multiplies by R in
-// float32 instead: the same sums in another order, so the two agree to float32 rounding.
+// butterfly passes, in float32, in registers where there is AVX-512) and one rounding to x's
+// dtype. The PyTorch path multiplies by R in float32 instead: the same sums in another order, so
+// the two agree to float32 rounding.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include <utility>
 
 namespace {
 
 constexpr int64_t kHadamardBlock = 64;
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// a + b where the lane's bit `distance` is clear, (the lane `distance` away) - this lane where it
+// is set: one butterfly pass within a vector, for b = the vector with those lanes swapped.
+inline __m512 butterfly(__m512 v, __m512 swapped, __mmask16 upper) {
+  return _mm512_mask_blend_ps(upper, _mm512_add_ps(v, swapped), _mm512_sub_ps(swapped, v));
+}
+
+// The unnormalized transform of 64 floats held in four vectors: passes across vectors (distances
+// 32 and 16), then within each (8, 4, 2, 1). The passes commute; float sums round differently
+// from the scalar loop's order.
+inline void fwht64(__m512 v[4]) {
+  for (const auto [a, b] : {std::pair{0, 2}, {1, 3}, {0, 1}, {2, 3}}) {
+    const __m512 sum = _mm512_add_ps(v[a], v[b]);
+    v[b] = _mm512_sub_ps(v[a], v[b]);
+    v[a] = sum;
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = butterfly(v[i], _mm512_shuffle_f32x4(v[i], v[i], 0x4E), 0xFF00);
+    v[i] = butterfly(v[i], _mm512_shuffle_f32x4(v[i], v[i], 0xB1), 0xF0F0);
+    v[i] = butterfly(v[i], _mm512_permute_ps(v[i], 0x4E), 0xCCCC);
+    v[i] = butterfly(v[i], _mm512_permute_ps(v[i], 0xB1), 0xAAAA);
+  }
+}
+#endif
+
+// v (64 floats, in place) times diag(signs) H / 8.
+inline void rotate_block(float v[kHadamardBlock], const float* signs) {
+#if defined(__AVX512F__)
+  __m512 r[4];
+  for (int i = 0; i < 4; ++i)
+    r[i] = _mm512_mul_ps(_mm512_loadu_ps(v + 16 * i), _mm512_loadu_ps(signs + 16 * i));
+  fwht64(r);
+  for (int i = 0; i < 4; ++i)
+    _mm512_storeu_ps(v + 16 * i, _mm512_mul_ps(r[i], _mm512_set1_ps(0.125f)));
+#else
+  for (int64_t i = 0; i < kHadamardBlock; ++i) v[i] *= signs[i];
+  for (int64_t half = 1; half < kHadamardBlock; half *= 2)
+    for (int64_t i = 0; i < kHadamardBlock; i += 2 * half)
+      for (int64_t j = i; j < i + half; ++j) {
+        const float a = v[j], c = v[j + half];
+        v[j] = a + c;
+        v[j + half] = a - c;
+      }
+  for (int64_t i = 0; i < kHadamardBlock; ++i) v[i] *= 0.125f;
+#endif
+}
 
 template <typename T>
 void hadamard_blocks(const T* x, T* out, const float* signs, int64_t blocks) {
@@ -18,16 +70,10 @@ void hadamard_blocks(const T* x, T* out, const float* signs, int64_t blocks) {
     float v[kHadamardBlock];
     for (int64_t b = begin; b < end; ++b) {
       const T* src = x + b * kHadamardBlock;
-      for (int64_t i = 0; i < kHadamardBlock; ++i) v[i] = static_cast<float>(src[i]) * signs[i];
-      for (int64_t half = 1; half < kHadamardBlock; half *= 2)
-        for (int64_t i = 0; i < kHadamardBlock; i += 2 * half)
-          for (int64_t j = i; j < i + half; ++j) {
-            const float a = v[j], c = v[j + half];
-            v[j] = a + c;
-            v[j + half] = a - c;
-          }
+      for (int64_t i = 0; i < kHadamardBlock; ++i) v[i] = static_cast<float>(src[i]);
+      rotate_block(v, signs);
       T* dst = out + b * kHadamardBlock;
-      for (int64_t i = 0; i < kHadamardBlock; ++i) dst[i] = static_cast<T>(v[i] * 0.125f);
+      for (int64_t i = 0; i < kHadamardBlock; ++i) dst[i] = static_cast<T>(v[i]);
     }
   });
 }

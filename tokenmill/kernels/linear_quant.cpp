@@ -1,17 +1,17 @@
 // y = x W^T for a few bfloat16 rows of x and an int8 or int4 W (tokenmill/quant), on CPUs with
-// AVX-512 BF16.
+// AVX-512 BF16 (and so AVX-512 VNNI: every CPU with the one has the other).
 //
 // Decode streams every weight once a step and is bound by memory, so fewer bytes a weight is
-// the whole gain, as long as widening the codes costs less than the bytes saved. Up to four rows
-// of x, the codes of four rows of W are widened to bfloat16 in registers, never stored, and
-// multiplied with VDPBF16PS as in linear_bf16.cpp; with more rows of x, each block of four rows
-// of W is widened once into a buffer that stays in L1 and linear_bf16.cpp's tile multiplies it
-// by every four rows of x. int8 codes are exact in bfloat16 and the row's scale multiplies the sum;
-// int4 values are de-quantized as tokenmill/quant/int4.py does it (code * scale, then + min, in
-// float32) and rounded to bfloat16, the weights the de-quantize path feeds its GEMM.
+// the whole gain, as long as unpacking the codes costs less than the bytes saved. int8: up to
+// four rows of x, the codes of four rows of W are widened to bfloat16 in registers, never stored,
+// and multiplied with VDPBF16PS as in linear_bf16.cpp; with more rows of x, each block of four
+// rows of W is widened once into a buffer that stays in L1 and linear_bf16.cpp's tile multiplies
+// it by every four rows of x; the codes are exact in bfloat16 and the row's scale multiplies the
+// sum. int4: x is quantized to int8 and multiplied with VPDPBUSD (below, at int4_tile).
 
 #include <algorithm>
-#include <cstring>
+#include <cmath>
+#include <vector>
 
 namespace {
 
@@ -57,117 +57,147 @@ inline __mmask32 first_lanes(int64_t remaining) {
 }
 
 // int4 rows are padded / 2 bytes in groups of group_size / 2: byte i of a group holds value i in
-// its low nibble, i + group_size / 2 in its high one; each group has a float32 scale and min. A
-// group's 16 possible values, code * scale + min rounded to bfloat16, make a table that VPERMW
-// looks 32 codes up in at once.
-inline __m512i int4_table(float scale, float min) {
-  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(
-      _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(scale)), _mm512_set1_ps(min))));
+// its low nibble, i + group_size / 2 in its high one; each group has a float32 scale and min.
+//
+// x meets them as int8 codes (llama.cpp's Q4 x Q8 product, and QuaRot's int4 x int8): per row
+// and weight group, codes round(x / s) with s = max |x| / 127. VPDPBUSD multiplies 64 unsigned
+// codes of W by 64 signed codes of x into 16 int32 lanes of four products each, half the
+// instructions a value of widening W to bfloat16 took, which bounded the int4 product. A group's
+// sum is scale * s * sum((code - 8) * xq) + (min + 8 * scale) * sum(x): centring the codes halves
+// the weight on x's rounding errors, and the second term takes x's exact sum. Each row of x is
+// quantized on its own, so a row's result doesn't depend on the rows beside it.
+
+// For each of a chunk's 16 VPDPBUSD lanes (4 bytes each), its group counted from the chunk's
+// first: byte / half, for group_size / 2 = half, a power of two.
+inline __m512i int4_lane_groups(int64_t half) {
+  return _mm512_srli_epi32(
+      _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60),
+      __builtin_ctzll(half));
 }
 
-// 32 bytes of a group of 64 or more: values i..i+31 (low nibbles) and half+i.. (high), as bfloat16.
-inline void lookup_int4_32(const uint8_t* bytes, __m512i table, __m512i& low, __m512i& high) {
-  const __m512i wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
-  low = _mm512_permutexvar_epi16(_mm512_and_si512(wide, _mm512_set1_epi16(0x0F)), table);
-  high = _mm512_permutexvar_epi16(_mm512_srli_epi16(wide, 4), table);
-}
+// x [M, K] quantized for the int4 product, laid out 64 bytes of a weight row (a "chunk") at a
+// time: for each chunk, the 64 codes its low nibbles meet, then the 64 its high nibbles meet;
+// for each chunk's 16 lanes, the scale of the lane's group and -8 times the sum of its 8 codes.
+// With rotation signs, x is rotated first (hadamard.cpp), in float32, never rounded.
+struct Int4Activations {
+  int64_t chunks, groups;
+  std::vector<int8_t> codes;     // [M, chunks, 2, 64]
+  std::vector<int32_t> offsets;  // [M, chunks, 16]
+  std::vector<float> scales;     // [M, chunks, 16]
+  std::vector<float> sums;       // [M, groups]: sum of x over the group, in float32
 
-// A group of 32 (16 bytes): values 0..15 (low nibbles) then 16..31 (high), as bfloat16.
-inline __m512i lookup_int4_16(const uint8_t* bytes, __m512i table) {
-  const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-  const __m512i indices = _mm512_inserti64x4(
-      _mm512_castsi256_si512(_mm256_and_si256(wide, _mm256_set1_epi16(0x0F))),
-      _mm256_srli_epi16(wide, 4), 1);
-  return _mm512_permutexvar_epi16(indices, table);
-}
-
-// sums[m][n] = dot(x row m, W row n) for MT rows of x and kWeightRows int4 rows of W, decoded in
-// registers; x's in_features may stop short of the rows' padded length.
-template <int MT>
-inline void int4_tile(const uint16_t* x, int64_t x_stride, int64_t in_features,
-                      const uint8_t* codes, const float* scales, const float* mins,
-                      int64_t padded, int64_t group_size, float out[kInputRows][kWeightRows]) {
-  const int64_t half = group_size / 2, groups = padded / group_size, row_bytes = padded / 2;
-  __m512 acc[MT][kWeightRows];
-  for (int m = 0; m < MT; ++m)
-    for (int n = 0; n < kWeightRows; ++n) acc[m][n] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512i table[kWeightRows];
-    for (int n = 0; n < kWeightRows; ++n)
-      table[n] = int4_table(scales[n * groups + g], mins[n * groups + g]);
-    const uint8_t* group_codes = codes + g * half;
-    if (half % 32 == 0) {
-      for (int64_t i = 0; i < half; i += 32) {
-        const int64_t k = g * group_size + i;
-        const __mmask32 low_mask = first_lanes(in_features - k);
-        const __mmask32 high_mask = first_lanes(in_features - k - half);
-        __m512i x_low[MT], x_high[MT];
-        for (int m = 0; m < MT; ++m) {
-          x_low[m] = _mm512_maskz_loadu_epi16(low_mask, x + m * x_stride + k);
-          x_high[m] = _mm512_maskz_loadu_epi16(high_mask, x + m * x_stride + k + half);
-        }
-        for (int n = 0; n < kWeightRows; ++n) {
-          __m512i w_low, w_high;
-          lookup_int4_32(group_codes + n * row_bytes + i, table[n], w_low, w_high);
-          for (int m = 0; m < MT; ++m) {
-            acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)x_low[m], (__m512bh)w_low);
-            acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)x_high[m], (__m512bh)w_high);
+  Int4Activations(const torch::Tensor& x, int64_t padded, int64_t group_size,
+                  const float* rotation_signs)
+      : chunks((padded / 2 + 63) / 64), groups(padded / group_size),
+        codes(x.size(0) * chunks * 128, 0), offsets(x.size(0) * chunks * 16),
+        scales(x.size(0) * chunks * 16), sums(x.size(0) * groups) {
+    const int64_t half = group_size / 2, in_features = x.size(1);
+    const __m512i lane_group = int4_lane_groups(half);
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> values(padded + 16, 0.f), scale(groups + 16, 0.f);
+      for (int64_t m = begin; m < end; ++m) {
+        const auto* row = x.data_ptr<c10::BFloat16>() + m * x.stride(0);
+        for (int64_t k = 0; k < in_features; ++k) values[k] = static_cast<float>(row[k]);
+        if (rotation_signs)
+          for (int64_t k = 0; k < in_features; k += kHadamardBlock)
+            rotate_block(values.data() + k, rotation_signs);
+        int8_t* row_codes = codes.data() + m * chunks * 128;
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* group = values.data() + g * group_size;
+          __m512 amax = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
+          for (int64_t i = 0; i < group_size; i += 16) {
+            const __m512 v = _mm512_loadu_ps(group + i);
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+            sum = _mm512_add_ps(sum, v);
+          }
+          const float group_max = _mm512_reduce_max_ps(amax);
+          scale[g] = group_max / 127.f;
+          sums[m * groups + g] = _mm512_reduce_add_ps(sum);
+          const __m512 inverse = _mm512_set1_ps(group_max > 0.f ? 127.f / group_max : 0.f);
+          for (int64_t i = 0; i < half; i += 16) {  // byte g * half + i of the weight row
+            const int64_t byte = g * half + i;
+            int8_t* out = row_codes + (byte / 64) * 128 + byte % 64;
+            for (const int64_t nibble : {int64_t{0}, int64_t{1}})
+              _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64 * nibble),
+                               _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(
+                                   _mm512_loadu_ps(group + nibble * half + i), inverse))));
           }
         }
+        const __m512i ones = _mm512_set1_epi8(1);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int8_t* chunk = row_codes + c * 128;
+          const __m512i lane_sums = _mm512_dpbusd_epi32(
+              _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(chunk)), ones,
+              _mm512_loadu_si512(chunk + 64));
+          _mm512_storeu_si512(offsets.data() + (m * chunks + c) * 16,
+                              _mm512_mullo_epi32(lane_sums, _mm512_set1_epi32(-8)));
+          _mm512_storeu_ps(scales.data() + (m * chunks + c) * 16,
+                           _mm512_permutexvar_ps(lane_group,
+                                                 _mm512_loadu_ps(scale.data() + c * 64 / half)));
+        }
       }
-    } else {
-      const int64_t k = g * group_size;
-      const __mmask32 mask = first_lanes(in_features - k);
-      __m512i xs[MT];
-      for (int m = 0; m < MT; ++m) xs[m] = _mm512_maskz_loadu_epi16(mask, x + m * x_stride + k);
-      for (int n = 0; n < kWeightRows; ++n) {
-        const __m512i w = lookup_int4_16(group_codes + n * row_bytes, table[n]);
-        for (int m = 0; m < MT; ++m)
-          acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)xs[m], (__m512bh)w);
+    });
+  }
+};
+
+// sums[m][n] = dot(x row m0 + m, W row n) for MT rows of quantized x and kWeightRows int4 rows
+// of W (codes row_bytes apart, scales and mins `groups` apart).
+template <int MT>
+inline void int4_tile(const Int4Activations& a, int64_t m0, const uint8_t* codes,
+                      int64_t row_bytes, const float* scales, const float* mins,
+                      int64_t group_size, float out[kInputRows][kWeightRows]) {
+  const int64_t half = group_size / 2, groups = a.groups;
+  const __m512i lane_group = int4_lane_groups(half);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[MT][kWeightRows];
+#pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 4
+    for (int n = 0; n < kWeightRows; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < a.chunks; ++c) {
+    const int64_t first_byte = 64 * c, first_group = first_byte / half;
+    const __mmask64 bytes = row_bytes - first_byte >= 64
+                                ? ~__mmask64{0}
+                                : (__mmask64{1} << (row_bytes - first_byte)) - 1;
+    const __mmask16 lanes = static_cast<__mmask16>(
+        groups - first_group >= 16 ? 0xFFFF : (1u << (groups - first_group)) - 1);
+#pragma GCC unroll 4
+    for (int n = 0; n < kWeightRows; ++n) {
+      const __m512i raw = _mm512_maskz_loadu_epi8(bytes, codes + n * row_bytes + first_byte);
+      const __m512i low = _mm512_and_si512(raw, nibble);
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+      const __m512 w_scale = _mm512_permutexvar_ps(
+          lane_group, _mm512_maskz_loadu_ps(lanes, scales + n * groups + first_group));
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) {
+        const int64_t at = (m0 + m) * a.chunks + c;
+        const int8_t* xq = a.codes.data() + at * 128;
+        __m512i sum = _mm512_loadu_si512(a.offsets.data() + at * 16);
+        sum = _mm512_dpbusd_epi32(sum, low, _mm512_loadu_si512(xq));
+        sum = _mm512_dpbusd_epi32(sum, high, _mm512_loadu_si512(xq + 64));
+        acc[m][n] = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(sum),
+            _mm512_mul_ps(w_scale, _mm512_loadu_ps(a.scales.data() + at * 16)), acc[m][n]);
       }
     }
   }
+  // + (min + 8 * scale) * sum(x) of every group, 16 groups at a time, into the lanes summed next.
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __mmask16 lanes = static_cast<__mmask16>(groups - g >= 16 ? 0xFFFF
+                                                                    : (1u << (groups - g)) - 1);
+#pragma GCC unroll 4
+    for (int n = 0; n < kWeightRows; ++n) {
+      const __m512 zero = _mm512_fmadd_ps(
+          _mm512_set1_ps(8.f), _mm512_maskz_loadu_ps(lanes, scales + n * groups + g),
+          _mm512_maskz_loadu_ps(lanes, mins + n * groups + g));
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m)
+        acc[m][n] = _mm512_fmadd_ps(
+            zero, _mm512_maskz_loadu_ps(lanes, a.sums.data() + (m0 + m) * groups + g), acc[m][n]);
+    }
+  }
+#pragma GCC unroll 4
   for (int m = 0; m < MT; ++m) store_sums(acc[m], out[m]);
-}
-
-// kWeightRows int4 rows -> bfloat16 [kWeightRows, padded] in `out`, each group of 64 or more in
-// int4_tile's order: 32 values of the low nibbles, the 32 of their high nibbles, the next 32 low...
-// (so that a row sums in the same order on both paths: see fused_order).
-inline void widen_int4_rows(const uint8_t* codes, const float* scales, const float* mins,
-                            int64_t padded, int64_t group_size, uint16_t* out) {
-  const int64_t half = group_size / 2, groups = padded / group_size;
-  for (int64_t r = 0; r < kWeightRows * groups; ++r) {  // r: a group of some row
-    const __m512i table = int4_table(scales[r], mins[r]);
-    const uint8_t* group_codes = codes + r * half;
-    uint16_t* group_out = out + r * group_size;
-    if (half % 32 == 0) {
-      for (int64_t i = 0; i < half; i += 32) {
-        __m512i low, high;
-        lookup_int4_32(group_codes + i, table, low, high);
-        _mm512_storeu_si512(group_out + 2 * i, low);
-        _mm512_storeu_si512(group_out + 2 * i + 32, high);
-      }
-    } else {
-      _mm512_storeu_si512(group_out, lookup_int4_16(group_codes, table));
-    }
-  }
-}
-
-// x [M, K] in widen_int4_rows' order, zero-padded to `padded`: bfloat16 [M, padded].
-torch::Tensor fused_order(const torch::Tensor& x, int64_t padded, int64_t group_size) {
-  const int64_t rows = x.size(0), in_features = x.size(1), half = group_size / 2;
-  auto out = torch::zeros({rows, padded}, x.options());
-  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t start = 0; start < padded; start += 32) {  // a group's i-th 32 (low or high)
-      const int64_t g = start / group_size, within = start % group_size;
-      const int64_t to = g * group_size + (within < half ? 2 * within : 2 * (within - half) + 32);
-      const int64_t count = std::max<int64_t>(0, std::min<int64_t>(32, in_features - start));
-      std::memcpy(os + m * padded + to, xs + m * x.stride(0) + start, count * sizeof(uint16_t));
-    }
-  return out;
 }
 #endif
 
@@ -200,13 +230,14 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
           widen_int8_rows(cs + n0 * in_features, in_features, scratch);
           return static_cast<const uint16_t*>(scratch);
         },
-        BFloat16Rows{in_features, in_features}, finish, prefetch);
+        BFloat16Rows{x, in_features}, finish, prefetch);
   }
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   return few_rows_product(
       x, out_features, 0, [&](int64_t n0, uint16_t*) { return cs + n0 * in_features; },
-      [&](auto mt, const int8_t* rows, const uint16_t* xm, int64_t x_stride,
-          float sums[kInputRows][kWeightRows]) {
-        int8_tile<decltype(mt)::value>(xm, x_stride, rows, in_features, sums);
+      [&](auto mt, const int8_t* rows, int64_t m0, float sums[kInputRows][kWeightRows]) {
+        int8_tile<decltype(mt)::value>(xs + m0 * x.stride(0), x.stride(0), rows, in_features,
+                                       sums);
       },
       finish, prefetch);
 #else
@@ -216,7 +247,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 }
 
 // x [M, K] bfloat16 with contiguous rows; codes uint8 [N, P / 2] contiguous, P the row's length
-// padded to whole groups (group_size a multiple of 32), N a multiple of 4; scales and mins float32
+// padded to whole groups (group_size a power of two, 32 or more), N a multiple of 4; scales and mins float32
 // [N, P / group_size]; bias [N] bfloat16 or None; rotation_signs, when given, rotate x first
 // (hadamard.cpp): the layer's codes are of W R. Returns [M, N] bfloat16.
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
@@ -224,13 +255,13 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                           c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> rotation_signs) {
 #if defined(__AVX512BF16__)
-  if (rotation_signs) x = hadamard_rotate(x, *rotation_signs);
   const int64_t in_features = x.size(1), out_features = codes.size(0);
   const int64_t padded = codes.size(1) * 2;
   check_few_rows_input(x, bias, out_features, "linear_int4");
-  TORCH_CHECK(group_size % 32 == 0 && padded % group_size == 0 && in_features <= padded &&
+  TORCH_CHECK(group_size >= 32 && (group_size & (group_size - 1)) == 0 &&
+                  padded % group_size == 0 && in_features <= padded &&
                   padded - in_features < group_size,
-              "linear_int4: P is x's K padded to whole groups, of a multiple of 32");
+              "linear_int4: P is x's K padded to whole groups, of a power of two from 32");
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == torch::kByte &&
                   out_features % kWeightRows == 0,
               "linear_int4: codes [N, P / 2] uint8 contiguous, N a multiple of 4");
@@ -249,24 +280,17 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     prefetch_bytes(ss + n0 * groups, kWeightRows * groups * sizeof(float));
     prefetch_bytes(ms + n0 * groups, kWeightRows * groups * sizeof(float));
   };
-  if (x.size(0) > kInputRows) {
-    const torch::Tensor xo = group_size % 64 == 0 ? fused_order(x, padded, group_size) : x;
-    return few_rows_product(
-        xo, out_features, kWeightRows * padded,
-        [&](int64_t n0, uint16_t* scratch) {
-          widen_int4_rows(cs + n0 * padded / 2, ss + n0 * groups, ms + n0 * groups, padded,
-                          group_size, scratch);
-          return static_cast<const uint16_t*>(scratch);
-        },
-        BFloat16Rows{padded, xo.size(1)}, finish, prefetch);
-  }
+  if (rotation_signs)
+    TORCH_CHECK(rotation_signs->is_contiguous() && rotation_signs->scalar_type() == torch::kFloat &&
+                    rotation_signs->numel() == kHadamardBlock && in_features % kHadamardBlock == 0,
+                "linear_int4: rotation signs float32 [64], K a multiple of 64");
+  const Int4Activations activations(
+      x, padded, group_size, rotation_signs ? rotation_signs->data_ptr<float>() : nullptr);
   return few_rows_product(
       x, out_features, 0, [](int64_t n0, uint16_t*) { return n0; },
-      [&](auto mt, int64_t n0, const uint16_t* xm, int64_t x_stride,
-          float sums[kInputRows][kWeightRows]) {
-        int4_tile<decltype(mt)::value>(xm, x_stride, in_features, cs + n0 * padded / 2,
-                                       ss + n0 * groups, ms + n0 * groups, padded, group_size,
-                                       sums);
+      [&](auto mt, int64_t n0, int64_t m0, float sums[kInputRows][kWeightRows]) {
+        int4_tile<decltype(mt)::value>(activations, m0, cs + n0 * padded / 2, padded / 2,
+                                       ss + n0 * groups, ms + n0 * groups, group_size, sums);
       },
       finish, prefetch);
 #else
