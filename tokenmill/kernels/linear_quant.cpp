@@ -2,12 +2,10 @@
 // AVX-512 BF16 (and so AVX-512 VNNI: every CPU with the one has the other).
 //
 // Decode streams every weight once a step and is bound by memory, so fewer bytes a weight is
-// the whole gain, as long as unpacking the codes costs less than the bytes saved. int8: up to
-// four rows of x, the codes of four rows of W are widened to bfloat16 in registers, never stored,
-// and multiplied with VDPBF16PS as in linear_bf16.cpp; with more rows of x, each block of four
-// rows of W is widened once into a buffer that stays in L1 and linear_bf16.cpp's tile multiplies
-// it by every four rows of x; the codes are exact in bfloat16 and the row's scale multiplies the
-// sum. int4: x is quantized to int8 and multiplied with VPDPBUSD (below, at int4_tile).
+// the whole gain, as long as unpacking the codes costs less than the bytes saved. Widening int8
+// or int4 codes to bfloat16 for VDPBF16PS bounded both products on two cores, so x is quantized
+// to int8 codes instead (per row, in small groups) and multiplied with VPDPBUSD, 64 products an
+// instruction, as llama.cpp multiplies its quantized blocks.
 
 #include <algorithm>
 #include <cmath>
@@ -16,56 +14,90 @@
 namespace {
 
 #if defined(__AVX512BF16__)
-// 32 int8 codes as bfloat16 (exact: |code| <= 127 needs 7 bits).
-inline __m512bh widen_int8(const int8_t* codes) {
-  const __m512 low = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
-  const __m512 high = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16))));
-  return _mm512_cvtne2ps_pbh(high, low);
-}
+// int8: x meets W's codes as int8 codes too, one scale (max |x| / 127) per 16 values of a row
+// (4 of VPDPBUSD's lanes: finer groups cost nothing in the product, and keep one large value from
+// coarsening the codes of many), stored as code + 128 for the instruction's unsigned operand; W's
+// sum times 128 over the same values takes that offset back off. One VPDPBUSD multiplies 64
+// values, where widening the codes to bfloat16 took five instructions for 32. Each row of x is
+// quantized on its own.
+struct Int8Activations {
+  int64_t chunks;               // 64 values of a row each, the last maybe partial
+  std::vector<uint8_t> codes;   // [M, chunks * 64]: round(x / s) + 128
+  std::vector<float> scales;    // [M, chunks, 16]: each lane's s
 
-// sums[m][n] = dot(x row m, codes row n) for MT rows of x and kWeightRows int8 rows (K a multiple
-// of 32), the codes widened in registers.
+  explicit Int8Activations(const torch::Tensor& x)
+      : chunks((x.size(1) + 63) / 64), codes(x.size(0) * chunks * 64, 128),
+        scales(x.size(0) * chunks * 16) {
+    const int64_t in_features = x.size(1);
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        const auto* row = reinterpret_cast<const uint16_t*>(x.data_ptr()) + m * x.stride(0);
+        for (int64_t c = 0; c < chunks; ++c) {
+          for (int i = 0; i < 4; ++i) {  // 16 values, bfloat16 -> float32 exactly, zero past K
+            const int64_t k = 64 * c + 16 * i;
+            const __mmask16 lanes = static_cast<__mmask16>(
+                in_features - k >= 16 ? 0xFFFF : in_features - k <= 0 ? 0
+                                                 : (1u << (in_features - k)) - 1);
+            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, row + k)), 16));
+            const float group_max = _mm512_reduce_max_ps(_mm512_abs_ps(v));
+            const __m512 inverse = _mm512_set1_ps(group_max > 0.f ? 127.f / group_max : 0.f);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(codes.data() + m * chunks * 64 + k),
+                             _mm512_cvtepi32_epi8(_mm512_add_epi32(
+                                 _mm512_cvtps_epi32(_mm512_mul_ps(v, inverse)),
+                                 _mm512_set1_epi32(128))));
+            std::fill_n(scales.data() + (m * chunks + c) * 16 + 4 * i, 4, group_max / 127.f);
+          }
+        }
+      }
+    });
+  }
+};
+
+// sums[m][n] = dot(x row m0 + m, codes row n) / W's scale, for MT rows of quantized x and
+// kWeightRows int8 rows of W.
 template <int MT>
-inline void int8_tile(const uint16_t* x, int64_t x_stride, const int8_t* codes,
+inline void int8_tile(const Int8Activations& a, int64_t m0, const int8_t* codes,
                       int64_t in_features, float out[kInputRows][kWeightRows]) {
   __m512 acc[MT][kWeightRows];
+#pragma GCC unroll 4
   for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 4
     for (int n = 0; n < kWeightRows; ++n) acc[m][n] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < in_features; k += 32) {
-    __m512i xs[MT];
-    for (int m = 0; m < MT; ++m) xs[m] = _mm512_loadu_si512(x + m * x_stride + k);
+  const __m512i offset = _mm512_set1_epi8(static_cast<char>(128));
+  for (int64_t c = 0; c < a.chunks; ++c) {
+    const int64_t k = 64 * c;
+    const __mmask64 bytes = in_features - k >= 64 ? ~__mmask64{0}
+                                                  : (__mmask64{1} << (in_features - k)) - 1;
+#pragma GCC unroll 4
     for (int n = 0; n < kWeightRows; ++n) {
-      const __m512bh w = widen_int8(codes + n * in_features + k);
-      for (int m = 0; m < MT; ++m) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)xs[m], w);
+      const __m512i w = _mm512_maskz_loadu_epi8(bytes, codes + n * in_features + k);
+      const __m512i minus_offset = _mm512_sub_epi32(
+          _mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, w));
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) {
+        const int64_t at = (m0 + m) * a.chunks + c;
+        const __m512i sum = _mm512_dpbusd_epi32(
+            minus_offset, _mm512_loadu_si512(a.codes.data() + at * 64), w);
+        acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
+                                    _mm512_loadu_ps(a.scales.data() + at * 16), acc[m][n]);
+      }
     }
   }
+#pragma GCC unroll 4
   for (int m = 0; m < MT; ++m) store_sums(acc[m], out[m]);
-}
-
-// kWeightRows int8 rows -> bfloat16 [kWeightRows, K] in `out`.
-inline void widen_int8_rows(const int8_t* codes, int64_t in_features, uint16_t* out) {
-  for (int64_t i = 0; i < kWeightRows * in_features; i += 32)
-    _mm512_storeu_si512(out + i, (__m512i)widen_int8(codes + i));
-}
-
-// A mask of the first `remaining` of 32 lanes (none, or all).
-inline __mmask32 first_lanes(int64_t remaining) {
-  return remaining >= 32 ? ~__mmask32{0}
-                         : remaining <= 0 ? 0 : static_cast<__mmask32>((1u << remaining) - 1);
 }
 
 // int4 rows are padded / 2 bytes in groups of group_size / 2: byte i of a group holds value i in
 // its low nibble, i + group_size / 2 in its high one; each group has a float32 scale and min.
 //
-// x meets them as int8 codes (llama.cpp's Q4 x Q8 product, and QuaRot's int4 x int8): per row
-// and weight group, codes round(x / s) with s = max |x| / 127. VPDPBUSD multiplies 64 unsigned
-// codes of W by 64 signed codes of x into 16 int32 lanes of four products each, half the
-// instructions a value of widening W to bfloat16 took, which bounded the int4 product. A group's
-// sum is scale * s * sum((code - 8) * xq) + (min + 8 * scale) * sum(x): centring the codes halves
-// the weight on x's rounding errors, and the second term takes x's exact sum. Each row of x is
-// quantized on its own, so a row's result doesn't depend on the rows beside it.
+// x meets them as int8 codes (llama.cpp's Q4 x Q8 product, and QuaRot's int4 x int8): per row,
+// codes round(x / s) with s = max |x| / 127 over 32 values (below). VPDPBUSD multiplies 64
+// unsigned codes of W by 64 signed codes of x into 16 int32 lanes of four products each, half
+// the instructions a value of widening W to bfloat16 took, which bounded the int4 product. A
+// group's sum is scale * sum(s * (code - 8) * xq) + (min + 8 * scale) * sum(x): centring the
+// codes halves the weight on x's rounding errors, and the second term takes x's exact sum. Each
+// row of x is quantized on its own, so a row's result doesn't depend on the rows beside it.
 
 // For each of a chunk's 16 VPDPBUSD lanes (4 bytes each), its group counted from the chunk's
 // first: byte / half, for group_size / 2 = half, a power of two.
@@ -77,7 +109,9 @@ inline __m512i int4_lane_groups(int64_t half) {
 
 // x [M, K] quantized for the int4 product, laid out 64 bytes of a weight row (a "chunk") at a
 // time: for each chunk, the 64 codes its low nibbles meet, then the 64 its high nibbles meet;
-// for each chunk's 16 lanes, the scale of the lane's group and -8 times the sum of its 8 codes.
+// for each chunk's 16 lanes, x's scale and -8 times the sum of the lane's 8 codes. x's codes
+// share a scale per 16 bytes of W (4 lanes: 16 values the low nibbles meet and 16 the high),
+// finer than W's groups at no cost in the product.
 // With rotation signs, x is rotated first (hadamard.cpp), in float32, never rounded.
 struct Int4Activations {
   int64_t chunks, groups;
@@ -92,9 +126,8 @@ struct Int4Activations {
         codes(x.size(0) * chunks * 128, 0), offsets(x.size(0) * chunks * 16),
         scales(x.size(0) * chunks * 16), sums(x.size(0) * groups) {
     const int64_t half = group_size / 2, in_features = x.size(1);
-    const __m512i lane_group = int4_lane_groups(half);
     at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> values(padded + 16, 0.f), scale(groups + 16, 0.f);
+      std::vector<float> values(padded, 0.f);
       for (int64_t m = begin; m < end; ++m) {
         const auto* row = x.data_ptr<c10::BFloat16>() + m * x.stride(0);
         for (int64_t k = 0; k < in_features; ++k) values[k] = static_cast<float>(row[k]);
@@ -104,23 +137,23 @@ struct Int4Activations {
         int8_t* row_codes = codes.data() + m * chunks * 128;
         for (int64_t g = 0; g < groups; ++g) {
           const float* group = values.data() + g * group_size;
-          __m512 amax = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
-          for (int64_t i = 0; i < group_size; i += 16) {
-            const __m512 v = _mm512_loadu_ps(group + i);
-            amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
-            sum = _mm512_add_ps(sum, v);
-          }
-          const float group_max = _mm512_reduce_max_ps(amax);
-          scale[g] = group_max / 127.f;
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t i = 0; i < group_size; i += 16)
+            sum = _mm512_add_ps(sum, _mm512_loadu_ps(group + i));
           sums[m * groups + g] = _mm512_reduce_add_ps(sum);
-          const __m512 inverse = _mm512_set1_ps(group_max > 0.f ? 127.f / group_max : 0.f);
-          for (int64_t i = 0; i < half; i += 16) {  // byte g * half + i of the weight row
-            const int64_t byte = g * half + i;
-            int8_t* out = row_codes + (byte / 64) * 128 + byte % 64;
-            for (const int64_t nibble : {int64_t{0}, int64_t{1}})
-              _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64 * nibble),
-                               _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(
-                                   _mm512_loadu_ps(group + nibble * half + i), inverse))));
+          for (int64_t i = 0; i < half; i += 16) {  // bytes g * half + i.. of the weight row
+            const __m512 low = _mm512_loadu_ps(group + i), high = _mm512_loadu_ps(group + half + i);
+            const float piece_max = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
+            const __m512 inverse = _mm512_set1_ps(piece_max > 0.f ? 127.f / piece_max : 0.f);
+            const int64_t byte = g * half + i, chunk = byte / 64;
+            int8_t* out = row_codes + chunk * 128 + byte % 64;
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(
+                                 _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse))));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64), _mm512_cvtsepi32_epi8(
+                                 _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse))));
+            std::fill_n(scales.data() + (m * chunks + chunk) * 16 + byte % 64 / 4, 4,
+                        piece_max / 127.f);
           }
         }
         const __m512i ones = _mm512_set1_epi8(1);
@@ -131,9 +164,6 @@ struct Int4Activations {
               _mm512_loadu_si512(chunk + 64));
           _mm512_storeu_si512(offsets.data() + (m * chunks + c) * 16,
                               _mm512_mullo_epi32(lane_sums, _mm512_set1_epi32(-8)));
-          _mm512_storeu_ps(scales.data() + (m * chunks + c) * 16,
-                           _mm512_permutexvar_ps(lane_group,
-                                                 _mm512_loadu_ps(scale.data() + c * 64 / half)));
         }
       }
     });
@@ -223,21 +253,11 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const auto prefetch = [&](int64_t n0) {
     prefetch_bytes(cs + n0 * in_features, kWeightRows * in_features);
   };
-  if (x.size(0) > kInputRows) {
-    return few_rows_product(
-        x, out_features, kWeightRows * in_features,
-        [&](int64_t n0, uint16_t* scratch) {
-          widen_int8_rows(cs + n0 * in_features, in_features, scratch);
-          return static_cast<const uint16_t*>(scratch);
-        },
-        BFloat16Rows{x, in_features}, finish, prefetch);
-  }
-  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const Int8Activations activations(x);
   return few_rows_product(
-      x, out_features, 0, [&](int64_t n0, uint16_t*) { return cs + n0 * in_features; },
+      x, out_features, [&](int64_t n0) { return cs + n0 * in_features; },
       [&](auto mt, const int8_t* rows, int64_t m0, float sums[kInputRows][kWeightRows]) {
-        int8_tile<decltype(mt)::value>(xs + m0 * x.stride(0), x.stride(0), rows, in_features,
-                                       sums);
+        int8_tile<decltype(mt)::value>(activations, m0, rows, in_features, sums);
       },
       finish, prefetch);
 #else
@@ -287,7 +307,7 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const Int4Activations activations(
       x, padded, group_size, rotation_signs ? rotation_signs->data_ptr<float>() : nullptr);
   return few_rows_product(
-      x, out_features, 0, [](int64_t n0, uint16_t*) { return n0; },
+      x, out_features, [](int64_t n0) { return n0; },
       [&](auto mt, int64_t n0, int64_t m0, float sums[kInputRows][kWeightRows]) {
         int4_tile<decltype(mt)::value>(activations, m0, cs + n0 * padded / 2, padded / 2,
                                        ss + n0 * groups, ms + n0 * groups, group_size, sums);
