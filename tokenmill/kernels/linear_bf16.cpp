@@ -9,8 +9,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <atomic>
-
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -20,7 +18,6 @@ namespace {
 #if defined(__AVX512BF16__)
 constexpr int64_t kWeightRows = 4;  // outputs computed together: each x chunk loaded once for them
 constexpr int64_t kInputRows = 4;   // rows of x a pass: 16 accumulators of the 32 registers
-constexpr int64_t kClaimTiles = 8;  // blocks of kWeightRows rows a thread takes at a time
 
 // out[0..3] = the lane sums of acc[0..3]: one fold to 256 bits each, then three horizontal adds
 // for all four (a quarter of four separate reductions' shuffles).
@@ -77,33 +74,23 @@ torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, Row
   const int64_t rows = x.size(0);
   auto out = torch::empty({rows, out_features}, x.options());
   auto* ys = out.data_ptr<c10::BFloat16>();
-  // Threads claim kClaimTiles blocks of rows at a time rather than a fixed half each: on this
-  // VM the two threads' speeds differ from call to call, and a fixed split left the faster one
-  // waiting at the end of every product.
-  const int64_t tiles = out_features / kWeightRows;
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(),
-                                            (tiles + kClaimTiles - 1) / kClaimTiles);
-  std::atomic<int64_t> next_tile{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, out_features / kWeightRows, 8, [&](int64_t begin, int64_t end) {
     float sums[kInputRows][kWeightRows];
-    for (int64_t begin; (begin = next_tile.fetch_add(kClaimTiles)) < tiles;) {
-      const int64_t end = std::min(begin + kClaimTiles, tiles);
-      for (int64_t tile_index = begin; tile_index < end; ++tile_index) {
-        const int64_t n0 = tile_index * kWeightRows;
-        if (tile_index + 1 < end) prefetch(n0 + kWeightRows);
-        const auto located = rows_at(n0);
-        for (int64_t m0 = 0; m0 < rows; m0 += kInputRows) {
-          switch (std::min(kInputRows, rows - m0)) {
-            case 1: multiply(std::integral_constant<int, 1>{}, located, m0, sums); break;
-            case 2: multiply(std::integral_constant<int, 2>{}, located, m0, sums); break;
-            case 3: multiply(std::integral_constant<int, 3>{}, located, m0, sums); break;
-            default: multiply(std::integral_constant<int, 4>{}, located, m0, sums);
-          }
-          for (int64_t m = 0; m < std::min(kInputRows, rows - m0); ++m)
-            for (int64_t n = 0; n < kWeightRows; ++n)
-              ys[(m0 + m) * out_features + n0 + n] =
-                  static_cast<c10::BFloat16>(finish(n0 + n, sums[m][n]));
+    for (int64_t tile_index = begin; tile_index < end; ++tile_index) {
+      const int64_t n0 = tile_index * kWeightRows;
+      if (tile_index + 1 < end) prefetch(n0 + kWeightRows);
+      const auto located = rows_at(n0);
+      for (int64_t m0 = 0; m0 < rows; m0 += kInputRows) {
+        switch (std::min(kInputRows, rows - m0)) {
+          case 1: multiply(std::integral_constant<int, 1>{}, located, m0, sums); break;
+          case 2: multiply(std::integral_constant<int, 2>{}, located, m0, sums); break;
+          case 3: multiply(std::integral_constant<int, 3>{}, located, m0, sums); break;
+          default: multiply(std::integral_constant<int, 4>{}, located, m0, sums);
         }
+        for (int64_t m = 0; m < std::min(kInputRows, rows - m0); ++m)
+          for (int64_t n = 0; n < kWeightRows; ++n)
+            ys[(m0 + m) * out_features + n0 + n] =
+                static_cast<c10::BFloat16>(finish(n0 + n, sums[m][n]));
       }
     }
   });
