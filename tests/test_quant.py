@@ -109,6 +109,8 @@ def activation_group(layer: QuantizedLinear, rows: int) -> int | None:
     int4 shares one across 16 values and the 16 half a group later: the group holds both."""
     if layer.packed_kernel != "tokenmill" or rows > layer.packed_max_rows:
         return None
+    if rows > 16:  # kInt8MaxRows: above it W is widened to bfloat16 instead
+        return None
     return layer.group_size if isinstance(layer, Int4Linear) else 16
 
 

@@ -64,22 +64,25 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t
 }
 
 // out[m][n] = finish(n, dot(x row m, W row n)) for x [M, K] (bfloat16, or int8 codes made from
-// it) and a W of out_features rows, kWeightRows rows at a time: `rows_at(n0)` locates rows n0..
-// in W's format, once for all of x's rows, and `multiply(MT, located, m0, sums)` fills sums for
-// MT (a std::integral_constant) rows of x from row m0 and those rows of W. `prefetch(n0)` asks
+// it) and a W of out_features rows, kWeightRows rows at a time: `rows_at(n0, scratch)` locates
+// rows n0.. (in W's format, or decoded to bfloat16 into `scratch`, scratch_size elements a
+// thread), once for all of x's rows, and `multiply(MT, located, m0, sums)` fills sums for MT (a
+// std::integral_constant) rows of x from row m0 and those rows of W. `prefetch(n0)` asks
 // for rows n0.. in W's format (kernels/prefetch.cpp says why); it is called a block of rows ahead.
 template <typename RowsAt, typename Multiply, typename Finish, typename Prefetch>
-torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, RowsAt rows_at,
-                               Multiply multiply, Finish finish, Prefetch prefetch) {
+torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int64_t scratch_size,
+                               RowsAt rows_at, Multiply multiply, Finish finish,
+                               Prefetch prefetch) {
   const int64_t rows = x.size(0);
   auto out = torch::empty({rows, out_features}, x.options());
   auto* ys = out.data_ptr<c10::BFloat16>();
   at::parallel_for(0, out_features / kWeightRows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> scratch(scratch_size);
     float sums[kInputRows][kWeightRows];
     for (int64_t tile_index = begin; tile_index < end; ++tile_index) {
       const int64_t n0 = tile_index * kWeightRows;
       if (tile_index + 1 < end) prefetch(n0 + kWeightRows);
-      const auto located = rows_at(n0);
+      const auto located = rows_at(n0, scratch.data());
       for (int64_t m0 = 0; m0 < rows; m0 += kInputRows) {
         switch (std::min(kInputRows, rows - m0)) {
           case 1: multiply(std::integral_constant<int, 1>{}, located, m0, sums); break;
@@ -148,7 +151,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
   const Bias b(bias);
   const int64_t in_features = x.size(1);
   return few_rows_product(
-      x, weight.size(0), [&](int64_t n0) { return ws + n0 * in_features; },
+      x, weight.size(0), 0, [&](int64_t n0, uint16_t*) { return ws + n0 * in_features; },
       BFloat16Rows{x, in_features}, [&](int64_t n, float sum) { return sum + b[n]; },
       [&](int64_t n0) {
         prefetch_bytes(ws + n0 * in_features, kWeightRows * in_features * sizeof(uint16_t));

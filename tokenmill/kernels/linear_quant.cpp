@@ -3,23 +3,47 @@
 //
 // Decode streams every weight once a step and is bound by memory, so fewer bytes a weight is
 // the whole gain, as long as unpacking the codes costs less than the bytes saved. Widening int8
-// or int4 codes to bfloat16 for VDPBF16PS bounded both products on two cores, so x is quantized
-// to int8 codes instead (per row, in small groups) and multiplied with VPDPBUSD, 64 products an
-// instruction, as llama.cpp multiplies its quantized blocks.
+// or int4 codes to bfloat16 for VDPBF16PS bounded both products on two cores at a few rows, so
+// x is quantized to int8 codes instead (per row, in small groups) and multiplied with VPDPBUSD,
+// 64 products an instruction, as llama.cpp multiplies its quantized blocks, up to kInt8MaxRows
+// rows of x (below).
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 #if defined(__AVX512BF16__)
-// int8: x meets W's codes as int8 codes too, one scale (max |x| / 127) per 16 values of a row
-// (4 of VPDPBUSD's lanes: finer groups cost nothing in the product, and keep one large value from
-// coarsening the codes of many), stored as code + 128 for the instruction's unsigned operand; W's
-// sum times 128 over the same values takes that offset back off. One VPDPBUSD multiplies 64
-// values, where widening the codes to bfloat16 took five instructions for 32. Each row of x is
-// quantized on its own.
+// Above kInt8MaxRows rows of x (int8 and int4 alike), each block of four rows of W is widened
+// once to bfloat16 into a buffer that stays in L1, and linear_bf16.cpp's tile multiplies it by
+// every four rows of x: the widening is shared by many rows there, and the tile's VDPBF16PS does
+// less a product than the int8 path below (measured at 32 and 64 rows: 10 to 30% less time).
+// Up to it, x is quantized to int8 codes.
+constexpr int64_t kInt8MaxRows = 16;
+
+// 32 int8 codes as bfloat16 (exact: |code| <= 127 needs 7 bits).
+inline __m512bh widen_int8(const int8_t* codes) {
+  const __m512 low = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+  const __m512 high = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16))));
+  return _mm512_cvtne2ps_pbh(high, low);
+}
+
+// kWeightRows int8 rows -> bfloat16 [kWeightRows, K] in `out`.
+inline void widen_int8_rows(const int8_t* codes, int64_t in_features, uint16_t* out) {
+  for (int64_t i = 0; i < kWeightRows * in_features; i += 32)
+    _mm512_storeu_si512(out + i, (__m512i)widen_int8(codes + i));
+}
+
+// Up to kInt8MaxRows rows, int8: x meets W's codes as int8 codes too, one scale (max |x| / 127)
+// per 16 values of a row (4 of VPDPBUSD's lanes: finer groups cost nothing in the product, and
+// keep one large value from coarsening the codes of many), stored as code + 128 for the
+// instruction's unsigned operand; W's sum times 128 over the same values takes that offset back
+// off. One VPDPBUSD multiplies 64 values, where widening the codes to bfloat16 took five
+// instructions for 32. Each row of x is quantized on its own.
 struct Int8Activations {
   int64_t chunks;               // 64 values of a row each, the last maybe partial
   std::vector<uint8_t> codes;   // [M, chunks * 64]: round(x / s) + 128
@@ -90,6 +114,70 @@ inline void int8_tile(const Int8Activations& a, int64_t m0, const int8_t* codes,
 
 // int4 rows are padded / 2 bytes in groups of group_size / 2: byte i of a group holds value i in
 // its low nibble, i + group_size / 2 in its high one; each group has a float32 scale and min.
+//
+// Widened (above kInt8MaxRows rows), a group's 16 possible values, code * scale + min rounded to
+// bfloat16, make a table that VPERMW looks 32 codes up in at once.
+inline __m512i int4_table(float scale, float min) {
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(
+      _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(scale)), _mm512_set1_ps(min))));
+}
+
+// 32 bytes of a group of 64 or more: values i..i+31 (low nibbles) and half+i.. (high), as bfloat16.
+inline void lookup_int4_32(const uint8_t* bytes, __m512i table, __m512i& low, __m512i& high) {
+  const __m512i wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+  low = _mm512_permutexvar_epi16(_mm512_and_si512(wide, _mm512_set1_epi16(0x0F)), table);
+  high = _mm512_permutexvar_epi16(_mm512_srli_epi16(wide, 4), table);
+}
+
+// A group of 32 (16 bytes): values 0..15 (low nibbles) then 16..31 (high), as bfloat16.
+inline __m512i lookup_int4_16(const uint8_t* bytes, __m512i table) {
+  const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  const __m512i indices = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_and_si256(wide, _mm256_set1_epi16(0x0F))),
+      _mm256_srli_epi16(wide, 4), 1);
+  return _mm512_permutexvar_epi16(indices, table);
+}
+
+// kWeightRows int4 rows -> bfloat16 [kWeightRows, padded] in `out`, each group of 64 or more in
+// int4_tile's order: 32 values of the low nibbles, the 32 of their high nibbles, the next 32 low...
+// (so that a row sums in the same order on both paths: see fused_order).
+inline void widen_int4_rows(const uint8_t* codes, const float* scales, const float* mins,
+                            int64_t padded, int64_t group_size, uint16_t* out) {
+  const int64_t half = group_size / 2, groups = padded / group_size;
+  for (int64_t r = 0; r < kWeightRows * groups; ++r) {  // r: a group of some row
+    const __m512i table = int4_table(scales[r], mins[r]);
+    const uint8_t* group_codes = codes + r * half;
+    uint16_t* group_out = out + r * group_size;
+    if (half % 32 == 0) {
+      for (int64_t i = 0; i < half; i += 32) {
+        __m512i low, high;
+        lookup_int4_32(group_codes + i, table, low, high);
+        _mm512_storeu_si512(group_out + 2 * i, low);
+        _mm512_storeu_si512(group_out + 2 * i + 32, high);
+      }
+    } else {
+      _mm512_storeu_si512(group_out, lookup_int4_16(group_codes, table));
+    }
+  }
+}
+
+// x [M, K] in widen_int4_rows' order, zero-padded to `padded`: bfloat16 [M, padded].
+torch::Tensor fused_order(const torch::Tensor& x, int64_t padded, int64_t group_size) {
+  const int64_t rows = x.size(0), in_features = x.size(1), half = group_size / 2;
+  auto out = torch::zeros({rows, padded}, x.options());
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t start = 0; start < padded; start += 32) {  // a group's i-th 32 (low or high)
+      const int64_t g = start / group_size, within = start % group_size;
+      const int64_t to = g * group_size + (within < half ? 2 * within : 2 * (within - half) + 32);
+      const int64_t count = std::max<int64_t>(0, std::min<int64_t>(32, in_features - start));
+      std::memcpy(os + m * padded + to, xs + m * x.stride(0) + start, count * sizeof(uint16_t));
+    }
+  return out;
+}
+// Up to kInt8MaxRows rows of x:
 //
 // x meets them as int8 codes (llama.cpp's Q4 x Q8 product, and QuaRot's int4 x int8): per row,
 // codes round(x / s) with s = max |x| / 127 over 32 values (below). VPDPBUSD multiplies 64
@@ -253,9 +341,18 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const auto prefetch = [&](int64_t n0) {
     prefetch_bytes(cs + n0 * in_features, kWeightRows * in_features);
   };
+  if (x.size(0) > kInt8MaxRows) {
+    return few_rows_product(
+        x, out_features, kWeightRows * in_features,
+        [&](int64_t n0, uint16_t* scratch) {
+          widen_int8_rows(cs + n0 * in_features, in_features, scratch);
+          return static_cast<const uint16_t*>(scratch);
+        },
+        BFloat16Rows{x, in_features}, finish, prefetch);
+  }
   const Int8Activations activations(x);
   return few_rows_product(
-      x, out_features, [&](int64_t n0) { return cs + n0 * in_features; },
+      x, out_features, 0, [&](int64_t n0, uint16_t*) { return cs + n0 * in_features; },
       [&](auto mt, const int8_t* rows, int64_t m0, float sums[kInputRows][kWeightRows]) {
         int8_tile<decltype(mt)::value>(activations, m0, rows, in_features, sums);
       },
@@ -304,10 +401,22 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     TORCH_CHECK(rotation_signs->is_contiguous() && rotation_signs->scalar_type() == torch::kFloat &&
                     rotation_signs->numel() == kHadamardBlock && in_features % kHadamardBlock == 0,
                 "linear_int4: rotation signs float32 [64], K a multiple of 64");
+  if (x.size(0) > kInt8MaxRows) {
+    if (rotation_signs) x = hadamard_rotate(x, *rotation_signs);
+    const torch::Tensor xo = group_size % 64 == 0 ? fused_order(x, padded, group_size) : x;
+    return few_rows_product(
+        xo, out_features, kWeightRows * padded,
+        [&](int64_t n0, uint16_t* scratch) {
+          widen_int4_rows(cs + n0 * padded / 2, ss + n0 * groups, ms + n0 * groups, padded,
+                          group_size, scratch);
+          return static_cast<const uint16_t*>(scratch);
+        },
+        BFloat16Rows{xo, padded}, finish, prefetch);
+  }
   const Int4Activations activations(
       x, padded, group_size, rotation_signs ? rotation_signs->data_ptr<float>() : nullptr);
   return few_rows_product(
-      x, out_features, [](int64_t n0) { return n0; },
+      x, out_features, 0, [](int64_t n0, uint16_t*) { return n0; },
       [&](auto mt, int64_t n0, int64_t m0, float sums[kInputRows][kWeightRows]) {
         int4_tile<decltype(mt)::value>(activations, m0, cs + n0 * padded / 2, padded / 2,
                                        ss + n0 * groups, ms + n0 * groups, group_size, sums);
