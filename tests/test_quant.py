@@ -104,14 +104,14 @@ KERNELS = [pytest.param("tokenmill", marks=pytest.mark.skipif(
 
 
 def activation_group(layer: QuantizedLinear, rows: int) -> int | None:
-    """A run of x's values whose int8 codes share a scale where tokenmill's packed kernels quantize
-    x (kernels/linear_quant.cpp), or a run holding such runs; None where x is multiplied as it is.
-    int4 shares one across 16 values and the 16 half a group later: the group holds both."""
+    """A run of x's values holding those whose int8 codes share a scale where tokenmill's int4
+    kernel quantizes x (kernels/linear_quant.cpp: 16 values and the 16 half a group later); None
+    where x is multiplied as it is."""
     if layer.packed_kernel != "tokenmill" or rows > layer.packed_max_rows:
         return None
-    if rows > 16:  # kInt8MaxRows: above it W is widened to bfloat16 instead
+    if not isinstance(layer, Int4Linear) or rows > 16:  # kInt8ActivationMaxRows
         return None
-    return layer.group_size if isinstance(layer, Int4Linear) else 16
+    return layer.group_size
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

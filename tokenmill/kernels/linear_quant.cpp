@@ -2,11 +2,13 @@
 // AVX-512 BF16 (and so AVX-512 VNNI: every CPU with the one has the other).
 //
 // Decode streams every weight once a step and is bound by memory, so fewer bytes a weight is
-// the whole gain, as long as unpacking the codes costs less than the bytes saved. Widening int8
-// or int4 codes to bfloat16 for VDPBF16PS bounded both products on two cores at a few rows, so
-// x is quantized to int8 codes instead (per row, in small groups) and multiplied with VPDPBUSD,
-// 64 products an instruction, as llama.cpp multiplies its quantized blocks, up to kInt8MaxRows
-// rows of x (below).
+// the whole gain, as long as unpacking the codes costs less than the bytes saved. int8: up to
+// four rows of x, the codes of four rows of W are widened to bfloat16 in registers, never stored,
+// and multiplied with VDPBF16PS as in linear_bf16.cpp; with more rows of x, each block of four
+// rows of W is widened once into a buffer that stays in L1 and linear_bf16.cpp's tile multiplies
+// it by every four rows of x; the codes are exact in bfloat16 and the row's scale multiplies the
+// sum. int4: widening its codes bounded the product on two cores, so at a few rows x is quantized
+// to int8 codes instead and multiplied with VPDPBUSD (below).
 
 #include <algorithm>
 #include <cmath>
@@ -16,13 +18,6 @@
 namespace {
 
 #if defined(__AVX512BF16__)
-// Above kInt8MaxRows rows of x (int8 and int4 alike), each block of four rows of W is widened
-// once to bfloat16 into a buffer that stays in L1, and linear_bf16.cpp's tile multiplies it by
-// every four rows of x: the widening is shared by many rows there, and the tile's VDPBF16PS does
-// less a product than the int8 path below (measured at 32 and 64 rows: 10 to 30% less time).
-// Up to it, x is quantized to int8 codes.
-constexpr int64_t kInt8MaxRows = 16;
-
 // 32 int8 codes as bfloat16 (exact: |code| <= 127 needs 7 bits).
 inline __m512bh widen_int8(const int8_t* codes) {
   const __m512 low = _mm512_cvtepi32_ps(
@@ -32,90 +27,42 @@ inline __m512bh widen_int8(const int8_t* codes) {
   return _mm512_cvtne2ps_pbh(high, low);
 }
 
+// sums[m][n] = dot(x row m, codes row n) for MT rows of x and kWeightRows int8 rows (K a multiple
+// of 32), the codes widened in registers.
+template <int MT>
+inline void int8_tile(const uint16_t* x, int64_t x_stride, const int8_t* codes,
+                      int64_t in_features, float out[kInputRows][kWeightRows]) {
+  __m512 acc[MT][kWeightRows];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < kWeightRows; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in_features; k += 32) {
+    __m512i xs[MT];
+    for (int m = 0; m < MT; ++m) xs[m] = _mm512_loadu_si512(x + m * x_stride + k);
+    for (int n = 0; n < kWeightRows; ++n) {
+      const __m512bh w = widen_int8(codes + n * in_features + k);
+      for (int m = 0; m < MT; ++m) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)xs[m], w);
+    }
+  }
+  for (int m = 0; m < MT; ++m) store_sums(acc[m], out[m]);
+}
+
 // kWeightRows int8 rows -> bfloat16 [kWeightRows, K] in `out`.
 inline void widen_int8_rows(const int8_t* codes, int64_t in_features, uint16_t* out) {
   for (int64_t i = 0; i < kWeightRows * in_features; i += 32)
     _mm512_storeu_si512(out + i, (__m512i)widen_int8(codes + i));
 }
 
-// Up to kInt8MaxRows rows, int8: x meets W's codes as int8 codes too, one scale (max |x| / 127)
-// per 16 values of a row (4 of VPDPBUSD's lanes: finer groups cost nothing in the product, and
-// keep one large value from coarsening the codes of many), stored as code + 128 for the
-// instruction's unsigned operand; W's sum times 128 over the same values takes that offset back
-// off. One VPDPBUSD multiplies 64 values, where widening the codes to bfloat16 took five
-// instructions for 32. Each row of x is quantized on its own.
-struct Int8Activations {
-  int64_t chunks;               // 64 values of a row each, the last maybe partial
-  std::vector<uint8_t> codes;   // [M, chunks * 64]: round(x / s) + 128
-  std::vector<float> scales;    // [M, chunks, 16]: each lane's s
-
-  explicit Int8Activations(const torch::Tensor& x)
-      : chunks((x.size(1) + 63) / 64), codes(x.size(0) * chunks * 64, 128),
-        scales(x.size(0) * chunks * 16) {
-    const int64_t in_features = x.size(1);
-    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) {
-        const auto* row = reinterpret_cast<const uint16_t*>(x.data_ptr()) + m * x.stride(0);
-        for (int64_t c = 0; c < chunks; ++c) {
-          for (int i = 0; i < 4; ++i) {  // 16 values, bfloat16 -> float32 exactly, zero past K
-            const int64_t k = 64 * c + 16 * i;
-            const __mmask16 lanes = static_cast<__mmask16>(
-                in_features - k >= 16 ? 0xFFFF : in_features - k <= 0 ? 0
-                                                 : (1u << (in_features - k)) - 1);
-            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, row + k)), 16));
-            const float group_max = _mm512_reduce_max_ps(_mm512_abs_ps(v));
-            const __m512 inverse = _mm512_set1_ps(group_max > 0.f ? 127.f / group_max : 0.f);
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(codes.data() + m * chunks * 64 + k),
-                             _mm512_cvtepi32_epi8(_mm512_add_epi32(
-                                 _mm512_cvtps_epi32(_mm512_mul_ps(v, inverse)),
-                                 _mm512_set1_epi32(128))));
-            std::fill_n(scales.data() + (m * chunks + c) * 16 + 4 * i, 4, group_max / 127.f);
-          }
-        }
-      }
-    });
-  }
-};
-
-// sums[m][n] = dot(x row m0 + m, codes row n) / W's scale, for MT rows of quantized x and
-// kWeightRows int8 rows of W.
-template <int MT>
-inline void int8_tile(const Int8Activations& a, int64_t m0, const int8_t* codes,
-                      int64_t in_features, float out[kInputRows][kWeightRows]) {
-  __m512 acc[MT][kWeightRows];
-#pragma GCC unroll 4
-  for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 4
-    for (int n = 0; n < kWeightRows; ++n) acc[m][n] = _mm512_setzero_ps();
-  const __m512i offset = _mm512_set1_epi8(static_cast<char>(128));
-  for (int64_t c = 0; c < a.chunks; ++c) {
-    const int64_t k = 64 * c;
-    const __mmask64 bytes = in_features - k >= 64 ? ~__mmask64{0}
-                                                  : (__mmask64{1} << (in_features - k)) - 1;
-#pragma GCC unroll 4
-    for (int n = 0; n < kWeightRows; ++n) {
-      const __m512i w = _mm512_maskz_loadu_epi8(bytes, codes + n * in_features + k);
-      const __m512i minus_offset = _mm512_sub_epi32(
-          _mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, w));
-#pragma GCC unroll 4
-      for (int m = 0; m < MT; ++m) {
-        const int64_t at = (m0 + m) * a.chunks + c;
-        const __m512i sum = _mm512_dpbusd_epi32(
-            minus_offset, _mm512_loadu_si512(a.codes.data() + at * 64), w);
-        acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
-                                    _mm512_loadu_ps(a.scales.data() + at * 16), acc[m][n]);
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int m = 0; m < MT; ++m) store_sums(acc[m], out[m]);
-}
-
 // int4 rows are padded / 2 bytes in groups of group_size / 2: byte i of a group holds value i in
 // its low nibble, i + group_size / 2 in its high one; each group has a float32 scale and min.
 //
-// Widened (above kInt8MaxRows rows), a group's 16 possible values, code * scale + min rounded to
+// Above kInt8ActivationMaxRows rows of x, each block of four rows of W is widened once to
+// bfloat16 into a buffer that stays in L1, and linear_bf16.cpp's tile multiplies it by every four
+// rows of x: the widening is shared by many rows there, and the tile's VDPBF16PS does less a
+// product than the int8-code path below (measured at 32 and 64 rows: 10 to 30% less time). Up to
+// it, x is quantized to int8 codes.
+constexpr int64_t kInt8ActivationMaxRows = 16;
+
+// Widened, a group's 16 possible values, code * scale + min rounded to
 // bfloat16, make a table that VPERMW looks 32 codes up in at once.
 inline __m512i int4_table(float scale, float min) {
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -140,8 +87,8 @@ inline __m512i lookup_int4_16(const uint8_t* bytes, __m512i table) {
 }
 
 // kWeightRows int4 rows -> bfloat16 [kWeightRows, padded] in `out`, each group of 64 or more in
-// int4_tile's order: 32 values of the low nibbles, the 32 of their high nibbles, the next 32 low...
-// (so that a row sums in the same order on both paths: see fused_order).
+// the codes' order: 32 values of the low nibbles, the 32 of their high nibbles, the next 32 low...
+// (fused_order puts x in the same order).
 inline void widen_int4_rows(const uint8_t* codes, const float* scales, const float* mins,
                             int64_t padded, int64_t group_size, uint16_t* out) {
   const int64_t half = group_size / 2, groups = padded / group_size;
@@ -177,15 +124,14 @@ torch::Tensor fused_order(const torch::Tensor& x, int64_t padded, int64_t group_
     }
   return out;
 }
-// Up to kInt8MaxRows rows of x:
-//
-// x meets them as int8 codes (llama.cpp's Q4 x Q8 product, and QuaRot's int4 x int8): per row,
-// codes round(x / s) with s = max |x| / 127 over 32 values (below). VPDPBUSD multiplies 64
-// unsigned codes of W by 64 signed codes of x into 16 int32 lanes of four products each, half
-// the instructions a value of widening W to bfloat16 took, which bounded the int4 product. A
-// group's sum is scale * sum(s * (code - 8) * xq) + (min + 8 * scale) * sum(x): centring the
-// codes halves the weight on x's rounding errors, and the second term takes x's exact sum. Each
-// row of x is quantized on its own, so a row's result doesn't depend on the rows beside it.
+
+// Up to kInt8ActivationMaxRows rows, x meets the int4 codes as int8 codes (llama.cpp's Q4 x Q8
+// product, and QuaRot's int4 x int8): per row, codes round(x / s) with s = max |x| / 127 over 32
+// values (below). VPDPBUSD multiplies 64 unsigned codes of W by 64 signed codes of x into 16
+// int32 lanes of four products each, half the instructions a value of widening W to bfloat16
+// took. A group's sum is scale * sum(s * (code - 8) * xq) + (min + 8 * scale) * sum(x): centring
+// the codes halves the weight on x's rounding errors, and the second term takes x's exact sum.
+// Each row of x is quantized on its own, so a row's result doesn't depend on the rows beside it.
 
 // For each of a chunk's 16 VPDPBUSD lanes (4 bytes each), its group counted from the chunk's
 // first: byte / half, for group_size / 2 = half, a power of two.
@@ -341,7 +287,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const auto prefetch = [&](int64_t n0) {
     prefetch_bytes(cs + n0 * in_features, kWeightRows * in_features);
   };
-  if (x.size(0) > kInt8MaxRows) {
+  if (x.size(0) > kInputRows) {
     return few_rows_product(
         x, out_features, kWeightRows * in_features,
         [&](int64_t n0, uint16_t* scratch) {
@@ -350,11 +296,12 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
         },
         BFloat16Rows{x, in_features}, finish, prefetch);
   }
-  const Int8Activations activations(x);
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   return few_rows_product(
       x, out_features, 0, [&](int64_t n0, uint16_t*) { return cs + n0 * in_features; },
       [&](auto mt, const int8_t* rows, int64_t m0, float sums[kInputRows][kWeightRows]) {
-        int8_tile<decltype(mt)::value>(activations, m0, rows, in_features, sums);
+        int8_tile<decltype(mt)::value>(xs + m0 * x.stride(0), x.stride(0), rows, in_features,
+                                       sums);
       },
       finish, prefetch);
 #else
@@ -401,7 +348,7 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     TORCH_CHECK(rotation_signs->is_contiguous() && rotation_signs->scalar_type() == torch::kFloat &&
                     rotation_signs->numel() == kHadamardBlock && in_features % kHadamardBlock == 0,
                 "linear_int4: rotation signs float32 [64], K a multiple of 64");
-  if (x.size(0) > kInt8MaxRows) {
+  if (x.size(0) > kInt8ActivationMaxRows) {
     if (rotation_signs) x = hadamard_rotate(x, *rotation_signs);
     const torch::Tensor xo = group_size % 64 == 0 ? fused_order(x, padded, group_size) : x;
     return few_rows_product(

@@ -1,0 +1,112 @@
+"""This checkout's int8 and int4 product kernels against another commit's, in one process.
+
+This VM's run-to-run noise (single-stream decode moves 10 to 40% between runs) hides a 10 to 15%
+change in a kernel, so both builds are timed in one process, interleaved, on the same weights.
+A pass calls every decode product of SmolLM2 in model order (30 layers of qkv, o, gate_up and
+down, then the lm_head), each with its own random weight, so every weight comes from memory as
+in decode; int4 layers are group 128 with rotated inputs, as `gptq-hadamard` makes them (the
+lm_head without). The figure is the median pass, in ms. The other commit's kernels are built from
+its `tokenmill/kernels` sources, with this checkout's flags.
+
+    python benchmarks/bench_kernels_ab.py --against 12e58c7 --rows 1,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+from tokenmill.kernels import CFLAGS, FUNCTIONS, SOURCES, cpu_kernels
+from tokenmill.quant.int4 import Int4Linear
+from tokenmill.quant.int8 import Int8Linear
+from tokenmill.quant.linear import QuantizedLinear
+from tokenmill.quant.rotation import rotation_signs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO_ROOT, save_report  # noqa: E402
+
+LAYERS = 30
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
+LM_HEAD = (49152, 576)
+
+
+def kernels_at(revision: str) -> ModuleType:
+    """The C++ kernels as they were at `revision`."""
+    def show(name: str) -> str:
+        return subprocess.run(["git", "show", f"{revision}:tokenmill/kernels/{name}"],
+                              cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+
+    source = "\n".join(show(name) for name in SOURCES)
+    digest = hashlib.sha256("\n".join([source, *CFLAGS]).encode()).hexdigest()[:12]
+    return load_inline(name=f"tokenmill_kernels_ab_{digest}", cpp_sources=[source],
+                       functions=FUNCTIONS, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
+
+
+def model_layers(quantization: str) -> list[QuantizedLinear]:
+    shapes = LAYER_SHAPES * LAYERS + [LM_HEAD]
+    layers = []
+    for index, (out_features, in_features) in enumerate(shapes):
+        weight = torch.randn(out_features, in_features).bfloat16()
+        if quantization == "int8":
+            layers.append(Int8Linear.quantize(weight))
+        else:
+            rotation = rotation_signs(in_features) if index < len(shapes) - 1 else None
+            layers.append(Int4Linear.quantize(weight, 128, input_rotation=rotation))
+    return layers
+
+
+def product(kernels: ModuleType, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) by `kernels`' packed product, as the layer's own packed_matmul calls it."""
+    if isinstance(layer, Int8Linear):
+        return kernels.linear_int8(x, layer.codes, layer.kernel_scales, layer.bias)
+    return kernels.linear_int4(x, layer.codes, layer.scales, layer.mins, layer.group_size,
+                               layer.bias, layer.input_rotation)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--against", required=True, help="git revision whose kernels to time")
+    parser.add_argument("--formats", default="int4,int8")
+    parser.add_argument("--rows", default="1,32", help="rows of x (sequences decoding)")
+    parser.add_argument("--passes", type=int, default=15)
+    parser.add_argument("--output-json", type=Path,
+                        default=REPO_ROOT / "benchmarks/results/kernels_ab.json")
+    args = parser.parse_args()
+    builds = {"this checkout": cpu_kernels(), args.against: kernels_at(args.against)}
+    if builds["this checkout"] is None:
+        raise SystemExit("bench_kernels_ab: this checkout's kernels did not build")
+    torch.manual_seed(0)
+    results = []
+    for quantization in args.formats.split(","):
+        layers = model_layers(quantization)
+        for rows in (int(r) for r in args.rows.split(",")):
+            inputs = {k: torch.randn(rows, k).bfloat16() for k in {l.in_features for l in layers}}
+            passes: dict[str, list[float]] = {name: [] for name in builds}
+            for _ in range(args.passes + 1):  # the first pass warms up
+                for name, kernels in builds.items():
+                    start = time.perf_counter()
+                    for layer in layers:
+                        product(kernels, layer, inputs[layer.in_features])
+                    passes[name].append((time.perf_counter() - start) * 1e3)
+            medians = {name: statistics.median(times[1:]) for name, times in passes.items()}
+            results.append({"quantization": quantization, "rows": rows, "median_ms": medians,
+                            "passes_ms": passes})
+            print(f"{quantization} rows={rows:>3}: " + ", ".join(
+                f"{name} {ms:.2f} ms" for name, ms in medians.items()) +
+                f"  ({medians['this checkout'] / medians[args.against]:.2f}x the time)")
+        del layers
+    save_report(args.output_json, "bench_kernels_ab", against=args.against,
+                torch_threads=torch.get_num_threads(), passes=args.passes, results=results)
+
+
+if __name__ == "__main__":
+    main()
