@@ -102,12 +102,14 @@ torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int
 
 // few_rows_product's `multiply` for bfloat16 x [M, in_features] and rows of W, w_stride apart.
 struct BFloat16Rows {
-  const torch::Tensor& x;
-  int64_t w_stride;
+  const uint16_t* x;  // bfloat16 x [M, in_features], rows x_stride apart
+  int64_t x_stride, in_features, w_stride;
+  BFloat16Rows(const torch::Tensor& x, int64_t w_stride)
+      : x(reinterpret_cast<const uint16_t*>(x.data_ptr())), x_stride(x.stride(0)),
+        in_features(x.size(1)), w_stride(w_stride) {}
   template <typename MT>
   void operator()(MT, const uint16_t* w, int64_t m0, float sums[kInputRows][kWeightRows]) const {
-    const auto* rows = reinterpret_cast<const uint16_t*>(x.data_ptr()) + m0 * x.stride(0);
-    tile<MT::value>(rows, x.stride(0), w, w_stride, x.size(1), sums);
+    tile<MT::value>(x + m0 * x_stride, x_stride, w, w_stride, in_features, sums);
   }
 };
 

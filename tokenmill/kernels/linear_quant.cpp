@@ -297,11 +297,11 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
         BFloat16Rows{x, in_features}, finish, prefetch);
   }
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const int64_t x_stride = x.stride(0);
   return few_rows_product(
       x, out_features, 0, [&](int64_t n0, uint16_t*) { return cs + n0 * in_features; },
-      [&](auto mt, const int8_t* rows, int64_t m0, float sums[kInputRows][kWeightRows]) {
-        int8_tile<decltype(mt)::value>(xs + m0 * x.stride(0), x.stride(0), rows, in_features,
-                                       sums);
+      [=](auto mt, const int8_t* rows, int64_t m0, float sums[kInputRows][kWeightRows]) {
+        int8_tile<decltype(mt)::value>(xs + m0 * x_stride, x_stride, rows, in_features, sums);
       },
       finish, prefetch);
 #else
