@@ -66,8 +66,8 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t
 // out[m][n] = finish(n, dot(x row m, W row n)) for x [M, K] (bfloat16, or int8 codes made from
 // it) and a W of out_features rows, kWeightRows rows at a time: `rows_at(n0, scratch)` locates
 // rows n0.. (in W's format, or decoded to bfloat16 into `scratch`, scratch_size elements a
-// thread), once for all of x's rows, and `multiply(MT, located, m0, sums)` fills sums for MT (a
-// std::integral_constant) rows of x from row m0 and those rows of W. `prefetch(n0)` asks
+// thread), once for all of x's rows, and `multiply(MT, located, x rows, x_stride, m0, sums)`
+// fills sums for MT (a std::integral_constant) rows of x from row m0 and those rows of W. `prefetch(n0)` asks
 // for rows n0.. in W's format (kernels/prefetch.cpp says why); it is called a block of rows ahead.
 template <typename RowsAt, typename Multiply, typename Finish, typename Prefetch>
 torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int64_t scratch_size,
@@ -75,7 +75,9 @@ torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int
                                Prefetch prefetch) {
   const int64_t rows = x.size(0);
   auto out = torch::empty({rows, out_features}, x.options());
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   auto* ys = out.data_ptr<c10::BFloat16>();
+  const int64_t x_stride = x.stride(0);
   at::parallel_for(0, out_features / kWeightRows, 8, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> scratch(scratch_size);
     float sums[kInputRows][kWeightRows];
@@ -84,11 +86,12 @@ torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int
       if (tile_index + 1 < end) prefetch(n0 + kWeightRows);
       const auto located = rows_at(n0, scratch.data());
       for (int64_t m0 = 0; m0 < rows; m0 += kInputRows) {
+        const uint16_t* xm = xs + m0 * x_stride;
         switch (std::min(kInputRows, rows - m0)) {
-          case 1: multiply(std::integral_constant<int, 1>{}, located, m0, sums); break;
-          case 2: multiply(std::integral_constant<int, 2>{}, located, m0, sums); break;
-          case 3: multiply(std::integral_constant<int, 3>{}, located, m0, sums); break;
-          default: multiply(std::integral_constant<int, 4>{}, located, m0, sums);
+          case 1: multiply(std::integral_constant<int, 1>{}, located, xm, x_stride, m0, sums); break;
+          case 2: multiply(std::integral_constant<int, 2>{}, located, xm, x_stride, m0, sums); break;
+          case 3: multiply(std::integral_constant<int, 3>{}, located, xm, x_stride, m0, sums); break;
+          default: multiply(std::integral_constant<int, 4>{}, located, xm, x_stride, m0, sums);
         }
         for (int64_t m = 0; m < std::min(kInputRows, rows - m0); ++m)
           for (int64_t n = 0; n < kWeightRows; ++n)
@@ -102,14 +105,11 @@ torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int
 
 // few_rows_product's `multiply` for bfloat16 x [M, in_features] and rows of W, w_stride apart.
 struct BFloat16Rows {
-  const uint16_t* x;  // bfloat16 x [M, in_features], rows x_stride apart
-  int64_t x_stride, in_features, w_stride;
-  BFloat16Rows(const torch::Tensor& x, int64_t w_stride)
-      : x(reinterpret_cast<const uint16_t*>(x.data_ptr())), x_stride(x.stride(0)),
-        in_features(x.size(1)), w_stride(w_stride) {}
+  int64_t w_stride, in_features;
   template <typename MT>
-  void operator()(MT, const uint16_t* w, int64_t m0, float sums[kInputRows][kWeightRows]) const {
-    tile<MT::value>(x + m0 * x_stride, x_stride, w, w_stride, in_features, sums);
+  void operator()(MT, const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t,
+                  float sums[kInputRows][kWeightRows]) const {
+    tile<MT::value>(x, x_stride, w, w_stride, in_features, sums);
   }
 };
 
@@ -154,7 +154,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
   const int64_t in_features = x.size(1);
   return few_rows_product(
       x, weight.size(0), 0, [&](int64_t n0, uint16_t*) { return ws + n0 * in_features; },
-      BFloat16Rows{x, in_features}, [&](int64_t n, float sum) { return sum + b[n]; },
+      BFloat16Rows{in_features, in_features}, [&](int64_t n, float sum) { return sum + b[n]; },
       [&](int64_t n0) {
         prefetch_bytes(ws + n0 * in_features, kWeightRows * in_features * sizeof(uint16_t));
       });

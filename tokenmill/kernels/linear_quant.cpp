@@ -294,14 +294,13 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
           widen_int8_rows(cs + n0 * in_features, in_features, scratch);
           return static_cast<const uint16_t*>(scratch);
         },
-        BFloat16Rows{x, in_features}, finish, prefetch);
+        BFloat16Rows{in_features, in_features}, finish, prefetch);
   }
-  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const int64_t x_stride = x.stride(0);
   return few_rows_product(
       x, out_features, 0, [&](int64_t n0, uint16_t*) { return cs + n0 * in_features; },
-      [=](auto mt, const int8_t* rows, int64_t m0, float sums[kInputRows][kWeightRows]) {
-        int8_tile<decltype(mt)::value>(xs + m0 * x_stride, x_stride, rows, in_features, sums);
+      [&](auto mt, const int8_t* rows, const uint16_t* xm, int64_t x_stride, int64_t,
+          float sums[kInputRows][kWeightRows]) {
+        int8_tile<decltype(mt)::value>(xm, x_stride, rows, in_features, sums);
       },
       finish, prefetch);
 #else
@@ -358,13 +357,14 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                           group_size, scratch);
           return static_cast<const uint16_t*>(scratch);
         },
-        BFloat16Rows{xo, padded}, finish, prefetch);
+        BFloat16Rows{padded, xo.size(1)}, finish, prefetch);
   }
   const Int4Activations activations(
       x, padded, group_size, rotation_signs ? rotation_signs->data_ptr<float>() : nullptr);
   return few_rows_product(
       x, out_features, 0, [](int64_t n0, uint16_t*) { return n0; },
-      [&](auto mt, int64_t n0, int64_t m0, float sums[kInputRows][kWeightRows]) {
+      [&](auto mt, int64_t n0, const uint16_t*, int64_t, int64_t m0,
+          float sums[kInputRows][kWeightRows]) {
         int4_tile<decltype(mt)::value>(activations, m0, cs + n0 * padded / 2, padded / 2,
                                        ss + n0 * groups, ms + n0 * groups, group_size, sums);
       },
