@@ -63,12 +63,12 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t
   for (int m = 0; m < MT; ++m) store_sums(acc[m], out[m]);
 }
 
-// out[m][n] = finish(n, dot(x row m, W row n)) for x [M, K] (bfloat16, or int8 codes made from
-// it) and a W of out_features rows, kWeightRows rows at a time: `rows_at(n0, scratch)` locates
-// rows n0.. (in W's format, or decoded to bfloat16 into `scratch`, scratch_size elements a
-// thread), once for all of x's rows, and `multiply(MT, located, x rows, x_stride, m0, sums)`
-// fills sums for MT (a std::integral_constant) rows of x from row m0 and those rows of W. `prefetch(n0)` asks
-// for rows n0.. in W's format (kernels/prefetch.cpp says why); it is called a block of rows ahead.
+// out[m][n] = finish(n, dot(x row m, W row n)) for bfloat16 x [M, K] and a W of out_features
+// rows, kWeightRows rows at a time: `rows_at(n0, scratch)` locates rows n0.. (in W's format, or
+// decoded to bfloat16 into `scratch`, scratch_size elements a thread), once for all of x's rows,
+// and `multiply(MT, located, x rows, x_stride, m0, sums)` fills sums for MT (a
+// std::integral_constant) rows of x, from row m0, and those rows of W. `prefetch(n0)` asks for
+// rows n0.. in W's format (kernels/prefetch.cpp says why); it is called a block of rows ahead.
 template <typename RowsAt, typename Multiply, typename Finish, typename Prefetch>
 torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int64_t scratch_size,
                                RowsAt rows_at, Multiply multiply, Finish finish,
@@ -88,9 +88,15 @@ torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int
       for (int64_t m0 = 0; m0 < rows; m0 += kInputRows) {
         const uint16_t* xm = xs + m0 * x_stride;
         switch (std::min(kInputRows, rows - m0)) {
-          case 1: multiply(std::integral_constant<int, 1>{}, located, xm, x_stride, m0, sums); break;
-          case 2: multiply(std::integral_constant<int, 2>{}, located, xm, x_stride, m0, sums); break;
-          case 3: multiply(std::integral_constant<int, 3>{}, located, xm, x_stride, m0, sums); break;
+          case 1:
+            multiply(std::integral_constant<int, 1>{}, located, xm, x_stride, m0, sums);
+            break;
+          case 2:
+            multiply(std::integral_constant<int, 2>{}, located, xm, x_stride, m0, sums);
+            break;
+          case 3:
+            multiply(std::integral_constant<int, 3>{}, located, xm, x_stride, m0, sums);
+            break;
           default: multiply(std::integral_constant<int, 4>{}, located, xm, x_stride, m0, sums);
         }
         for (int64_t m = 0; m < std::min(kInputRows, rows - m0); ++m)

@@ -310,9 +310,9 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 }
 
 // x [M, K] bfloat16 with contiguous rows; codes uint8 [N, P / 2] contiguous, P the row's length
-// padded to whole groups (group_size a power of two, 32 or more), N a multiple of 4; scales and mins float32
-// [N, P / group_size]; bias [N] bfloat16 or None; rotation_signs, when given, rotate x first
-// (hadamard.cpp): the layer's codes are of W R. Returns [M, N] bfloat16.
+// padded to whole groups (group_size a power of two, 32 or more), N a multiple of 4; scales and
+// mins float32 [N, P / group_size]; bias [N] bfloat16 or None; rotation_signs, when given, rotate
+// x first (hadamard.cpp): the layer's codes are of W R. Returns [M, N] bfloat16.
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                           torch::Tensor mins, int64_t group_size,
                           c10::optional<torch::Tensor> bias,
