@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import re
 import statistics
 import subprocess
 import sys
@@ -42,13 +43,16 @@ LM_HEAD = (49152, 576)
 def kernels_at(revision: str) -> ModuleType:
     """The C++ kernels as they were at `revision`."""
     def show(name: str) -> str:
-        return subprocess.run(["git", "show", f"{revision}:tokenmill/kernels/{name}"],
-                              cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+        """The file at `revision`; empty where it didn't exist yet."""
+        shown = subprocess.run(["git", "show", f"{revision}:tokenmill/kernels/{name}"],
+                               cwd=REPO_ROOT, capture_output=True, text=True)
+        return shown.stdout if shown.returncode == 0 else ""
 
     source = "\n".join(show(name) for name in SOURCES)
+    functions = [name for name in FUNCTIONS if re.search(rf"\b{name}\(", source)]
     digest = hashlib.sha256("\n".join([source, *CFLAGS]).encode()).hexdigest()[:12]
     return load_inline(name=f"tokenmill_kernels_ab_{digest}", cpp_sources=[source],
-                       functions=FUNCTIONS, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
+                       functions=functions, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
 
 
 def model_layers(quantization: str) -> list[QuantizedLinear]:

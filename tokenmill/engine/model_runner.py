@@ -26,6 +26,7 @@ from tokenmill.model.attention import (AttentionMetadata, cache_slot, decode_ker
                                        padding_mask, prefill_chunk)
 from tokenmill.model.kv_int8 import cache_row
 from tokenmill.model.kv_smoothing import CALIBRATION_TEXT
+from tokenmill.model.decode_layers import DecodePlan
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.sampler import Sampler, logprob_entries
@@ -103,6 +104,7 @@ class ModelRunner:
                     self.model_bytes / 2**20, config.quantization, self.kv_cache_bytes / 2**20,
                     str(cache_dtype)[6:], self.kv_capacity_tokens)
         self.use_decode_kernel = decode_kernel_available(self.device)
+        self.model.decode_plan = DecodePlan.build(self.model, self.kv_caches)
         if config.kv_cache_dtype == "int8":  # every rank: its first step calibrates its heads
             for layer in self.model.layers:
                 layer.self_attn.attn.calibrate_key_smoothing()

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels import cpu_kernels, fused_kernels
+from tokenmill.model.decode_layers import BFLOAT16, TORCH_LINEAR, DecodeProduct
 
 
 class Linear(nn.Module):
@@ -39,6 +40,12 @@ class Linear(nn.Module):
                 and x.dtype == torch.bfloat16:
             return cpu_kernels().linear_bf16(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def decode_product(self) -> DecodeProduct:
+        """This product in the C++ decode stack, which chooses as forward does."""
+        if self.few_rows_kernel:
+            return DecodeProduct(BFLOAT16, (self.weight,), self.bias, param=FEW_ROWS_MAX)
+        return DecodeProduct(TORCH_LINEAR, (self.weight,), self.bias)
 
 
 # Rows of x up to which the AVX-512 BF16 kernel (kernels/linear_bf16.cpp) runs instead of torch's

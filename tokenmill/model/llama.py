@@ -14,6 +14,7 @@ from torch import nn
 from tokenmill.distributed.parallel_linear import RowParallelLinear
 from tokenmill.distributed.shard import TensorShard, head_rows
 from tokenmill.model.attention import AttentionMetadata, PagedAttention
+from tokenmill.model.decode_layers import DecodePlan
 from tokenmill.model.layers import (Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
                                     apply_rotary)
 from tokenmill.model.model_config import ModelConfig
@@ -117,6 +118,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(self.embed_tokens.weight, sources=("model.embed_tokens.weight",))
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, dtype, device)
+        # Set by whoever allocates the KV caches, once the products are final (quantized).
+        self.decode_plan: DecodePlan | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -124,6 +127,8 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final-norm hidden states [T, hidden] for the step's flat tokens."""
         x, residual = self.embed_tokens(input_ids), None
+        if self.decode_plan is not None and self.decode_plan.runs(x, kv_caches, meta):
+            return self.decode_plan(x, positions, meta)
         cos, sin = self.rotary.cos_sin(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import cpu_kernels, fused_kernels
+from tokenmill.model.decode_layers import INT4, DecodeProduct
 from tokenmill.quant.linear import (CPU_PACKED_MAX_ROWS, NO_ROW_LIMIT, QuantizedLinear,
                                     choose_packed_kernel)
 from tokenmill.quant.rotation import rotate_input
@@ -109,6 +110,12 @@ class Int4Linear(QuantizedLinear):
             else torch.ops.aten._weight_int4pack_mm_for_cpu
         return self.add_bias(matmul(self.padded(self.rotated(x)), self.kernel_weight,
                                     self.group_size, self.kernel_scale_zeros))
+
+    def decode_product(self) -> DecodeProduct | None:
+        if self.packed_kernel != "tokenmill":
+            return None
+        return DecodeProduct(INT4, (self.codes, self.scales, self.mins), self.bias,
+                             self.input_rotation, self.group_size, self.packed_max_rows)
 
     def _pack_for_kernel(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # The kernels compute (code - 8) * scale + zero, so zero = min + 8 * scale; they take

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.kernels import cpu_kernels, fused_kernels
+from tokenmill.model.decode_layers import INT8, DecodeProduct
 from tokenmill.quant.linear import (CPU_PACKED_MAX_ROWS, NO_ROW_LIMIT, QuantizedLinear,
                                     choose_packed_kernel)
 
@@ -73,3 +74,9 @@ class Int8Linear(QuantizedLinear):
         if self.packed_kernel == "tokenmill":
             return cpu_kernels().linear_int8(x, self.codes, self.kernel_scales, self.bias)
         return self.add_bias(torch.ops.aten._weight_int8pack_mm(x, self.codes, self.kernel_scales))
+
+    def decode_product(self) -> DecodeProduct | None:
+        if self.packed_kernel != "tokenmill":
+            return None
+        return DecodeProduct(INT8, (self.codes, self.kernel_scales), self.bias,
+                             max_rows=self.packed_max_rows)

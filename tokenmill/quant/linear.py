@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels import cpu_kernels
+from tokenmill.model.decode_layers import DecodeProduct
 from tokenmill.quant.rotation import rotate_input
 
 # packed_max_rows of a layer whose packed kernel wins at every row count.
@@ -91,6 +92,11 @@ class QuantizedLinear(nn.Module):
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] @ W^T + b by the packed kernel; x not yet rotated."""
         raise NotImplementedError
+
+    def decode_product(self) -> DecodeProduct | None:
+        """This product in the C++ decode stack: tokenmill's packed kernels only (a subclass
+        says how), up to packed_max_rows as forward; None keeps the model's decode in Python."""
+        return None
 
     def dequantize(self, rows: torch.Tensor | slice | None = None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -1,0 +1,96 @@
+"""The C++ decode stack (model/decode_layers.py) gives the eager model's hidden states bit for bit.
+
+Every decode step that the plan takes is also run through the eager layers, on tiny random-weight
+Llama and Qwen2 (q/k/v bias) models, in float32 and bfloat16, float and int8 / int4 (with and
+without rotated inputs) weights, at batches from one sequence to more than the few-row kernels
+take.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_tensor_parallel import TINY_VOCAB, greedy_tokens, tiny_prompts, write_tiny_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import cpu_kernels
+from tokenmill.model.llama import LlamaForCausalLM
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ kernels on this machine")
+
+
+def compare_every_planned_step(model: LlamaForCausalLM) -> list[int]:
+    """From now on each step the plan takes runs eagerly too and must match; returns the growing
+    list of those steps' batch sizes."""
+    plan, forward, batches = model.decode_plan, model.forward, []
+
+    def checked(input_ids, positions, kv_caches, meta):
+        if not plan.runs(model.embed_tokens(input_ids), kv_caches, meta):
+            return forward(input_ids, positions, kv_caches, meta)
+        model.decode_plan = None  # the eager layers rewrite the step's K/V with the same values
+        eager = forward(input_ids, positions, kv_caches, meta)
+        model.decode_plan = plan
+        planned = forward(input_ids, positions, kv_caches, meta)
+        assert torch.equal(planned, eager)
+        batches.append(input_ids.shape[0])
+        return planned
+
+    model.forward = checked
+    return batches
+
+
+def varied_prompts(count: int) -> list[list[int]]:
+    prompts = tiny_prompts()
+    return [prompts[i % len(prompts)] + [3 + i % (TINY_VOCAB - 3)] for i in range(count)]
+
+
+@pytest.mark.parametrize("architecture,dtype,quantization,quant_method", [
+    ("LlamaForCausalLM", "float32", "none", "rtn"),
+    ("LlamaForCausalLM", "bfloat16", "none", "rtn"),
+    ("Qwen2ForCausalLM", "bfloat16", "none", "rtn"),
+    ("Qwen2ForCausalLM", "bfloat16", "int8", "rtn"),
+    ("LlamaForCausalLM", "bfloat16", "int4", "rtn"),
+    ("Qwen2ForCausalLM", "bfloat16", "int4", "rtn-hadamard"),
+])
+def test_planned_decode_steps_equal_the_eager_model(tmp_path, smollm, architecture, dtype,
+                                                    quantization, quant_method):
+    folder = write_tiny_model(tmp_path / "tiny", smollm, architecture, 4, 2)
+    llm = LLM(model=str(folder), dtype=dtype, quantization=quantization,
+              quant_method=quant_method, quant_group_size=32, num_kv_blocks=256, block_size=8,
+              max_num_batched_tokens=512, debug_checks=True)
+    model = llm.engine.runner.model
+    if dtype == "bfloat16" and not cpu_kernels().linear_bf16_available():
+        pytest.skip("no AVX-512 BF16: the quantized layers take aten's kernels")
+    assert model.decode_plan is not None
+    batches = compare_every_planned_step(model)
+    prompts = varied_prompts(20)
+    tokens = greedy_tokens(llm, prompts, max_tokens=6)
+    # One sequence at a time, then 20 at once (past the 16 rows of the few-row kernels).
+    assert [greedy_tokens(llm, [prompt], max_tokens=6)[0] for prompt in prompts[:2]] == tokens[:2]
+    assert 1 in batches and 20 in batches
+
+
+def test_steps_the_plan_leaves_to_python(tmp_path, smollm):
+    """An int8 KV cache decodes eagerly; so does a mixed prefill and decode step."""
+    folder = write_tiny_model(tmp_path / "tiny", smollm, "LlamaForCausalLM", 4, 2)
+    options = dict(model=str(folder), dtype="float32", num_kv_blocks=256, block_size=8,
+                   max_num_batched_tokens=512)
+    llm = LLM(**options, kv_cache_dtype="int8")
+    batches = compare_every_planned_step(llm.engine.runner.model)
+    greedy_tokens(llm, varied_prompts(3), max_tokens=4)
+    assert batches == []
+
+    llm = LLM(**options)
+    batches = compare_every_planned_step(llm.engine.runner.model)
+    engine = llm.engine
+    prompts = varied_prompts(2)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", prompts[0], params)
+    engine.step()  # a's prefill
+    engine.add_request("b", prompts[1], params)
+    engine.step()  # a decodes beside b's prefill: eager
+    assert batches == []
+    engine.step()  # both decode
+    assert batches == [2]
+    while engine.has_unfinished_requests():
+        engine.step()

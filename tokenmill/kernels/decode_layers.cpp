@@ -1,0 +1,124 @@
+// The decoder layers of a decode-only step in one call.
+//
+// At one sequence a SmolLM2 layer's four products take about 170 us, and the Python between them
+// (nine module calls, views, ten kernel calls) took about as long again. This runs the same
+// kernels as the eager model (model/llama.py) in the same order on the same values, so its output
+// is bit for bit the eager model's; the model decides when a step can run here.
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace {
+
+// How a product runs; model/layers.py and quant/ say which a layer takes (`decode_product`).
+enum ProductKind : int64_t {
+  kTorchLinear = 0,   // at::linear, as F.linear
+  kBFloat16 = 1,      // linear_bf16 up to `param` rows, at::linear above, as Linear.forward
+  kInt8 = 2,          // linear_int8 (codes, per-row scales)
+  kInt4 = 3,          // linear_int4 (codes, scales, mins; `param` is the group size)
+};
+
+struct Product {
+  int64_t kind, param;
+  std::vector<torch::Tensor> tensors;  // the kind's own, in linear_*'s argument order
+  c10::optional<torch::Tensor> bias, rotation;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    switch (kind) {
+      case kBFloat16:
+        if (x.size(0) <= param) return linear_bf16(x, tensors[0], bias);
+        return at::linear(x, tensors[0], bias);
+      case kTorchLinear:
+        return at::linear(x, tensors[0], bias);
+      case kInt8:
+        return linear_int8(x, tensors[0], tensors[1], bias);
+      default:
+        return linear_int4(x, tensors[0], tensors[1], tensors[2], param, bias, rotation);
+    }
+  }
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_attention_norm, k_cache, v_cache;
+  Product qkv, o_proj, gate_up, down;
+};
+
+// Reads the flat description the Python side builds (LlamaForCausalLM._decode_plan): per layer
+// two norm weights, then four products, each four ints (kind, param, has bias, has rotation) and
+// its tensors, then its bias and rotation signs where it has them; the final norm's weight last.
+struct Plan {
+  std::vector<Layer> layers;
+  torch::Tensor final_norm;
+
+  Plan(const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& layout,
+       const std::vector<torch::Tensor>& kv_caches) {
+    size_t w = 0, l = 0;
+    auto product = [&] {
+      Product p;
+      p.kind = layout.at(l++);
+      p.param = layout.at(l++);
+      const bool has_bias = layout.at(l++), has_rotation = layout.at(l++);
+      const int count = p.kind == kInt4 ? 3 : p.kind == kInt8 ? 2 : 1;
+      for (int i = 0; i < count; ++i) p.tensors.push_back(weights.at(w++));
+      if (has_bias) p.bias = weights.at(w++);
+      if (has_rotation) p.rotation = weights.at(w++);
+      return p;
+    };
+    TORCH_CHECK(kv_caches.size() % 2 == 0, "decode_layers: a K and a V cache a layer");
+    for (size_t i = 0; i < kv_caches.size() / 2; ++i) {
+      Layer layer;
+      layer.input_norm = weights.at(w++);
+      layer.post_attention_norm = weights.at(w++);
+      layer.qkv = product();
+      layer.o_proj = product();
+      layer.gate_up = product();
+      layer.down = product();
+      layer.k_cache = kv_caches[2 * i];
+      layer.v_cache = kv_caches[2 * i + 1];
+      layers.push_back(std::move(layer));
+    }
+    final_norm = weights.at(w++);
+    TORCH_CHECK(w == weights.size() && l == layout.size(),
+                "decode_layers: the plan's tensors and layout don't match its layers");
+  }
+};
+
+}  // namespace
+
+// hidden [B, width]: the embeddings of B decode tokens, one a sequence (taken over as the residual
+// stream); positions [B] int64; cos and sin tables [max_position, head_dim]; the cache write and
+// attention metadata as paged_decode_attention and write_kv_cache take them. Returns the final
+// norm's output [B, width].
+torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos_table,
+                            torch::Tensor sin_table, std::vector<torch::Tensor> weights,
+                            std::vector<int64_t> layout, std::vector<torch::Tensor> kv_caches,
+                            torch::Tensor slot_mapping, torch::Tensor block_tables,
+                            torch::Tensor seq_lens, int64_t num_heads, int64_t num_kv_heads,
+                            double eps, double scale) {
+  const Plan plan(weights, layout, kv_caches);
+  const int64_t batch = hidden.size(0), head_dim = cos_table.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const torch::Tensor cos = cos_table.index_select(0, positions);
+  const torch::Tensor sin = sin_table.index_select(0, positions);
+  torch::Tensor residual = hidden, x;
+  for (size_t i = 0; i < plan.layers.size(); ++i) {
+    const Layer& layer = plan.layers[i];
+    x = i == 0 ? rms_norm(residual, c10::nullopt, layer.input_norm, eps)
+               : rms_norm(residual, x, layer.input_norm, eps);
+    const torch::Tensor qkv = layer.qkv(x);
+    const torch::Tensor q = qkv.narrow(1, 0, q_size).view({batch, num_heads, head_dim});
+    const torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({batch, num_kv_heads, head_dim});
+    const torch::Tensor v =
+        qkv.narrow(1, q_size + kv_size, kv_size).view({batch, num_kv_heads, head_dim});
+    rotary_(q, cos, sin);
+    rotary_(k, cos, sin);
+    write_kv_cache(k, v, layer.k_cache, layer.v_cache, slot_mapping);
+    const torch::Tensor attended = torch::empty(q.sizes(), q.options());
+    paged_decode_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_lens, scale,
+                           attended);
+    x = rms_norm(residual, layer.o_proj(attended.flatten(1)), layer.post_attention_norm, eps);
+    const auto gate_up = layer.gate_up(x).chunk(2, -1);
+    x = layer.down(at::silu(gate_up[0]) * gate_up[1]);
+  }
+  return rms_norm(residual, x, plan.final_norm, eps);
+}
