@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from tests.prompts import SYSTEM_PROMPT, varied_prompts
 from tokenmill import EngineConfig, SamplingParams
-from tokenmill.model.layers import Linear
+from tokenmill.model.layers import FEW_ROWS_MAX, Linear
 from tokenmill.model.loader import GGUFBlocks
 from tokenmill.quant.gguf import gguf_linear
 from tokenmill.quant.int4 import Int4Linear
@@ -266,6 +266,24 @@ def test_gguf_blocks_map_exactly(types: tuple[GGMLType, ...]) -> None:
     assert layer.packed_max_rows == 0
 
 
+@pytest.mark.parametrize("types", [(GGMLType.Q8_0,), (GGMLType.Q4_0,), (GGMLType.Q4_1,),
+                                   (GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q4_1)])
+def test_gguf_layers_in_bfloat16_give_the_float_layers_numbers(types: tuple[GGMLType, ...]) -> None:
+    """Where the bf16 float model multiplies by linear_bf16, the exact kernels widen the codes to
+    its weights and sum as it does; past FEW_ROWS_MAX both run F.linear."""
+    rng = np.random.default_rng(1)
+    parts = [((rng.standard_normal((32, 192)) * 0.1).astype(np.float32), t) for t in types]
+    bias = torch.randn(32 * len(types)).bfloat16()
+    layer = gguf_linear([gguf_blocks(v, t) for v, t in parts], bias, torch.bfloat16,
+                        torch.device("cpu"))
+    float_layer = Linear(dequantized(parts).bfloat16(), bias)
+    if float_layer.few_rows_kernel:
+        assert layer.packed_max_rows == FEW_ROWS_MAX
+    for rows in (1, 3, 4, 5, FEW_ROWS_MAX, FEW_ROWS_MAX + 1, 40):
+        x = torch.randn(rows, 192).bfloat16()
+        assert torch.equal(layer(x), float_layer(x)), rows
+
+
 def test_gguf_types_without_an_exact_map_stay_float() -> None:
     values = np.ones((32, 64), np.float32)
     assert gguf_linear([gguf_blocks(values, GGMLType.F16)], None, torch.float32,
@@ -302,6 +320,17 @@ def test_gguf_model_generates_the_float_models_tokens_and_logprobs(gguf_llm, llm
     [reference] = llm_fp32.generate(["The capital of France is"], params)
     assert quantized.outputs[0].token_ids == reference.outputs[0].token_ids
     assert quantized.outputs[0].logprobs == reference.outputs[0].logprobs
+
+
+def test_gguf_model_in_bfloat16_generates_the_float_models_tokens_and_logprobs(make_llm) -> None:
+    """Through the exact kernels and the C++ decode stack: the bf16 float model's numbers."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
+    prompts = ["The capital of France is", SYSTEM_PROMPT[:300]]
+    outputs = [make_llm(dtype="bfloat16", quantization=q).generate(prompts, params, use_tqdm=False)
+               for q in ("gguf", "none")]
+    for quantized, reference in zip(*outputs):
+        assert quantized.outputs[0].token_ids == reference.outputs[0].token_ids
+        assert quantized.outputs[0].logprobs == reference.outputs[0].logprobs
 
 
 def test_model_memory_falls(gguf_llm, make_llm) -> None:

@@ -16,6 +16,7 @@ enum ProductKind : int64_t {
   kBFloat16 = 1,      // linear_bf16 up to `param` rows, at::linear above, as Linear.forward
   kInt8 = 2,          // linear_int8 (codes, per-row scales)
   kInt4 = 3,          // linear_int4 (codes, scales, mins; `param` is the group size)
+  kInt4Exact = 4,     // linear_int4_exact (codes, scales, mins)
 };
 
 struct Product {
@@ -32,8 +33,10 @@ struct Product {
         return at::linear(x, tensors[0], bias);
       case kInt8:
         return linear_int8(x, tensors[0], tensors[1], bias);
-      default:
+      case kInt4:
         return linear_int4(x, tensors[0], tensors[1], tensors[2], param, bias, rotation);
+      default:
+        return linear_int4_exact(x, tensors[0], tensors[1], tensors[2], bias);
     }
   }
 };
@@ -58,7 +61,7 @@ struct Plan {
       p.kind = layout.at(l++);
       p.param = layout.at(l++);
       const bool has_bias = layout.at(l++), has_rotation = layout.at(l++);
-      const int count = p.kind == kInt4 ? 3 : p.kind == kInt8 ? 2 : 1;
+      const int count = p.kind >= kInt4 ? 3 : p.kind == kInt8 ? 2 : 1;
       for (int i = 0; i < count; ++i) p.tensors.push_back(weights.at(w++));
       if (has_bias) p.bias = weights.at(w++);
       if (has_rotation) p.rotation = weights.at(w++);

@@ -52,6 +52,22 @@ inline void widen_int8_rows(const int8_t* codes, int64_t in_features, uint16_t* 
     _mm512_storeu_si512(out + i, (__m512i)widen_int8(codes + i));
 }
 
+// kWeightRows int8 rows with a float32 scale a group (group_size a multiple of 32) -> bfloat16
+// [kWeightRows, K] in `out`: code * scale rounded to float32, then to bfloat16, the values
+// dequantize_int8 gives.
+inline void widen_scaled_int8_rows(const int8_t* codes, const float* scales, int64_t in_features,
+                                   int64_t group_size, uint16_t* out) {
+  for (int64_t i = 0; i < kWeightRows * in_features; i += 32) {
+    const __m512 scale = _mm512_set1_ps(scales[i / group_size]);
+    const auto half = [&](int64_t at) {
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + at)))),
+                           scale);
+    };
+    _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(half(i + 16), half(i)));
+  }
+}
+
 // int4 rows are padded / 2 bytes in groups of group_size / 2: byte i of a group holds value i in
 // its low nibble, i + group_size / 2 in its high one; each group has a float32 scale and min.
 //
@@ -265,10 +281,69 @@ inline void int4_tile(const Int4Activations& a, int64_t m0, const uint8_t* codes
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// An int4 layer's arguments to linear_int4, checked, and what both of its paths share.
+struct Int4Weights {
+  int64_t out_features, padded, group_size, groups;
+  const uint8_t* codes;
+  const float* scales;
+  const float* mins;
+  Bias bias;
+
+  Int4Weights(const torch::Tensor& x, const torch::Tensor& codes_, const torch::Tensor& scales_,
+              const torch::Tensor& mins_, int64_t group_size_,
+              const c10::optional<torch::Tensor>& bias_, const char* name)
+      : out_features(codes_.size(0)), padded(codes_.size(1) * 2), group_size(group_size_),
+        groups(padded / group_size_), bias(bias_) {
+    const int64_t in_features = x.size(1);
+    check_few_rows_input(x, bias_, out_features, name);
+    TORCH_CHECK(group_size >= 32 && (group_size & (group_size - 1)) == 0 &&
+                    padded % group_size == 0 && in_features <= padded &&
+                    padded - in_features < group_size,
+                name, ": P is x's K padded to whole groups, of a power of two from 32");
+    TORCH_CHECK(codes_.dim() == 2 && codes_.is_contiguous() &&
+                    codes_.scalar_type() == torch::kByte && out_features % kWeightRows == 0,
+                name, ": codes [N, P / 2] uint8 contiguous, N a multiple of 4");
+    for (const auto& t : {scales_, mins_})
+      TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat &&
+                      t.numel() == out_features * groups,
+                  name, ": scales and mins [N, P / group_size] float32");
+    codes = codes_.data_ptr<uint8_t>();
+    scales = scales_.data_ptr<float>();
+    mins = mins_.data_ptr<float>();
+  }
+
+  auto prefetch() const {
+    return [this](int64_t n0) {
+      prefetch_bytes(codes + n0 * padded / 2, kWeightRows * padded / 2);
+      prefetch_bytes(scales + n0 * groups, kWeightRows * groups * sizeof(float));
+      prefetch_bytes(mins + n0 * groups, kWeightRows * groups * sizeof(float));
+    };
+  }
+
+  // Each block of W widened to bfloat16 once for every row of x (already rotated).
+  torch::Tensor widened_product(const torch::Tensor& x) const {
+    const torch::Tensor xo = group_size % 64 == 0 ? fused_order(x, padded, group_size) : x;
+    return few_rows_product(
+        xo, out_features, kWeightRows * padded,
+        [&](int64_t n0, uint16_t* scratch) {
+          widen_int4_rows(codes + n0 * padded / 2, scales + n0 * groups, mins + n0 * groups,
+                          padded, group_size, scratch);
+          return static_cast<const uint16_t*>(scratch);
+        },
+        BFloat16Rows{padded, xo.size(1)}, [&](int64_t n, float sum) { return sum + bias[n]; },
+        prefetch());
+  }
+};
+#endif
+
 }  // namespace
 
 // x [M, K] bfloat16 with contiguous rows; codes int8 [N, K] contiguous, N a multiple of 4 and K of
-// 32; scales float32 [N], one per row; bias [N] bfloat16 or None. Returns [M, N] bfloat16.
+// 32; scales float32 [N], one per row, or [N, K / group_size] for groups of a multiple of 32
+// (GGUF's Q8_0); bias [N] bfloat16 or None. Returns [M, N] bfloat16. Grouped, each block of W is
+// widened to its de-quantized bfloat16 values and multiplied by linear_bf16's tile: the result is
+// linear_bf16's on the de-quantized W, bit for bit, at any number of rows.
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias) {
 #if defined(__AVX512BF16__)
@@ -278,11 +353,25 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                   codes.size(1) == in_features && out_features % kWeightRows == 0 &&
                   in_features % 32 == 0,
               "linear_int8: codes [N, K] int8 contiguous, N a multiple of 4, K of 32");
+  const int64_t groups = scales.numel() / out_features;
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat &&
-                  scales.numel() == out_features, "linear_int8: scales [N] float32");
+                  scales.numel() == out_features * groups && groups > 0 &&
+                  in_features % (32 * groups) == 0,
+              "linear_int8: scales float32, [N] or [N, K / group_size], groups of 32 or more");
   const int8_t* cs = codes.data_ptr<int8_t>();
   const float* ss = scales.data_ptr<float>();
   const Bias b(bias);
+  if (groups > 1) {
+    return few_rows_product(
+        x, out_features, kWeightRows * in_features,
+        [&](int64_t n0, uint16_t* scratch) {
+          widen_scaled_int8_rows(cs + n0 * in_features, ss + n0 * groups, in_features,
+                                 in_features / groups, scratch);
+          return static_cast<const uint16_t*>(scratch);
+        },
+        BFloat16Rows{in_features, in_features}, [&](int64_t n, float sum) { return sum + b[n]; },
+        [&](int64_t n0) { prefetch_bytes(cs + n0 * in_features, kWeightRows * in_features); });
+  }
   const auto finish = [&](int64_t n, float sum) { return sum * ss[n] + b[n]; };
   const auto prefetch = [&](int64_t n0) {
     prefetch_bytes(cs + n0 * in_features, kWeightRows * in_features);
@@ -318,59 +407,42 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                           c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> rotation_signs) {
 #if defined(__AVX512BF16__)
-  const int64_t in_features = x.size(1), out_features = codes.size(0);
-  const int64_t padded = codes.size(1) * 2;
-  check_few_rows_input(x, bias, out_features, "linear_int4");
-  TORCH_CHECK(group_size >= 32 && (group_size & (group_size - 1)) == 0 &&
-                  padded % group_size == 0 && in_features <= padded &&
-                  padded - in_features < group_size,
-              "linear_int4: P is x's K padded to whole groups, of a power of two from 32");
-  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == torch::kByte &&
-                  out_features % kWeightRows == 0,
-              "linear_int4: codes [N, P / 2] uint8 contiguous, N a multiple of 4");
-  const int64_t groups = padded / group_size;
-  for (const auto& t : {scales, mins})
-    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat &&
-                    t.numel() == out_features * groups,
-                "linear_int4: scales and mins [N, P / group_size] float32");
-  const uint8_t* cs = codes.data_ptr<uint8_t>();
-  const float* ss = scales.data_ptr<float>();
-  const float* ms = mins.data_ptr<float>();
-  const Bias b(bias);
-  const auto finish = [&](int64_t n, float sum) { return sum + b[n]; };
-  const auto prefetch = [&](int64_t n0) {
-    prefetch_bytes(cs + n0 * padded / 2, kWeightRows * padded / 2);
-    prefetch_bytes(ss + n0 * groups, kWeightRows * groups * sizeof(float));
-    prefetch_bytes(ms + n0 * groups, kWeightRows * groups * sizeof(float));
-  };
+  const Int4Weights w(x, codes, scales, mins, group_size, bias, "linear_int4");
   if (rotation_signs)
     TORCH_CHECK(rotation_signs->is_contiguous() && rotation_signs->scalar_type() == torch::kFloat &&
-                    rotation_signs->numel() == kHadamardBlock && in_features % kHadamardBlock == 0,
+                    rotation_signs->numel() == kHadamardBlock && x.size(1) % kHadamardBlock == 0,
                 "linear_int4: rotation signs float32 [64], K a multiple of 64");
-  if (x.size(0) > kInt8ActivationMaxRows) {
-    if (rotation_signs) x = hadamard_rotate(x, *rotation_signs);
-    const torch::Tensor xo = group_size % 64 == 0 ? fused_order(x, padded, group_size) : x;
-    return few_rows_product(
-        xo, out_features, kWeightRows * padded,
-        [&](int64_t n0, uint16_t* scratch) {
-          widen_int4_rows(cs + n0 * padded / 2, ss + n0 * groups, ms + n0 * groups, padded,
-                          group_size, scratch);
-          return static_cast<const uint16_t*>(scratch);
-        },
-        BFloat16Rows{padded, xo.size(1)}, finish, prefetch);
-  }
+  if (x.size(0) > kInt8ActivationMaxRows)
+    return w.widened_product(rotation_signs ? hadamard_rotate(x, *rotation_signs) : x);
   const Int4Activations activations(
-      x, padded, group_size, rotation_signs ? rotation_signs->data_ptr<float>() : nullptr);
+      x, w.padded, group_size, rotation_signs ? rotation_signs->data_ptr<float>() : nullptr);
   return few_rows_product(
-      x, out_features, 0, [](int64_t n0, uint16_t*) { return n0; },
+      x, w.out_features, 0, [](int64_t n0, uint16_t*) { return n0; },
       [&](auto mt, int64_t n0, const uint16_t*, int64_t, int64_t m0,
           float sums[kInputRows][kWeightRows]) {
-        int4_tile<decltype(mt)::value>(activations, m0, cs + n0 * padded / 2, padded / 2,
-                                       ss + n0 * groups, ms + n0 * groups, group_size, sums);
+        int4_tile<decltype(mt)::value>(activations, m0, w.codes + n0 * w.padded / 2,
+                                       w.padded / 2, w.scales + n0 * w.groups,
+                                       w.mins + n0 * w.groups, group_size, sums);
       },
-      finish, prefetch);
+      [&](int64_t n, float sum) { return sum + w.bias[n]; }, w.prefetch());
 #else
   TORCH_CHECK(false, "linear_int4: built without AVX-512 BF16");
+  return x;
+#endif
+}
+
+// linear_bf16(x, W) on the de-quantized W, bit for bit, at any number of rows, for int4 layers of
+// groups of 32 without padding (GGUF's Q4_0 and Q4_1): each block of W is widened to the
+// bfloat16 values dequantize_int4 gives, in order, and multiplied by linear_bf16's tile. Arguments
+// as linear_int4's.
+torch::Tensor linear_int4_exact(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                                torch::Tensor mins, c10::optional<torch::Tensor> bias) {
+#if defined(__AVX512BF16__)
+  const Int4Weights w(x, codes, scales, mins, 32, bias, "linear_int4_exact");
+  TORCH_CHECK(w.padded == x.size(1), "linear_int4_exact: K a multiple of 32, no padding");
+  return w.widened_product(x);
+#else
+  TORCH_CHECK(false, "linear_int4_exact: built without AVX-512 BF16");
   return x;
 #endif
 }

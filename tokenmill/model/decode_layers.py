@@ -19,7 +19,7 @@ from tokenmill.kernels import cpu_kernels
 from tokenmill.model.attention import AttentionMetadata
 
 # How kernels/decode_layers.cpp runs a product (its ProductKind).
-TORCH_LINEAR, BFLOAT16, INT8, INT4 = range(4)
+TORCH_LINEAR, BFLOAT16, INT8, INT4, INT4_EXACT = range(5)
 
 
 @dataclass(frozen=True, slots=True)

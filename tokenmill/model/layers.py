@@ -49,10 +49,12 @@ class Linear(nn.Module):
 
 
 # Rows of x up to which the AVX-512 BF16 kernel (kernels/linear_bf16.cpp) runs instead of torch's
-# bf16 product, measured by benchmarks/bench_linear.py (results/linear_bf16.json): 1.1 to 6x
-# faster up to 8 rows; at 16, 1.3 to 1.8x on the layers' shapes and 0.9x on the lm_head; slower
-# at 64.
-FEW_ROWS_MAX = 16
+# bf16 product, measured by benchmarks/bench_linear.py (results/linear_bf16.json): 1.8 to 5.9x
+# faster at one row; at 32, 1.17 to 1.42x on the layers' shapes and 0.96x on the lm_head; from 48
+# to 64 rows it falls to 0.84 to 1.27x. gguf's exact layers (quant/gguf.py) take their codes to
+# the same kernel up to here, so a higher limit also keeps more of their steps off the
+# de-quantize path.
+FEW_ROWS_MAX = 32
 
 
 def _few_rows_kernel(weight: torch.Tensor) -> bool:

@@ -4,9 +4,11 @@ Q8_0 (32 int8 codes, a float16 scale d: w = q * d) maps onto Int8Linear with gro
 (w = (q - 8) * d) and Q4_1 (w = q * d + m) map onto Int4Linear with groups of 32, whose
 w = code * scale + min takes min = -8d and m. float16 -> float32 is exact, and so is code * scale
 in float32, so de-quantizing rounds once, as the loader's decoder does: the same float weights.
-Every other type (F32, F16, the K-quants) stays float, as do norms and biases. These layers never
-run the packed kernels: those sum in another order, so their outputs differ from the float model's
-in the last bits, where this mode promises the same numbers.
+Every other type (F32, F16, the K-quants) stays float, as do norms and biases. These layers are
+`exact`: where the float model multiplies by linear_bf16 (bfloat16, up to FEW_ROWS_MAX rows) they
+run kernels that widen each block of codes to those bfloat16 weights and run linear_bf16's tile,
+and elsewhere they de-quantize and call F.linear as the float model does; never the int8-code or
+aten kernels, which sum in another order.
 """
 
 from __future__ import annotations
@@ -31,14 +33,14 @@ def gguf_linear(parts: list[GGUFBlocks], bias: torch.Tensor | None, dtype: torch
     if types == {GGMLType.Q8_0}:
         blocks = torch.cat([part.blocks for part in parts]).to(device)
         codes = blocks[..., 2:].contiguous().view(torch.int8).flatten(1)
-        return Int8Linear(codes, _float16_column(blocks, 0), bias, dtype, packed_max_rows=0)
+        return Int8Linear(codes, _float16_column(blocks, 0), bias, dtype, exact=True)
     if types <= set(INT4_TYPES):
         blocks = [part.blocks.to(device) for part in parts]
         scales = torch.cat([_float16_column(b, 0) for b in blocks])
         mins = torch.cat([_float16_column(b, 2) if part.quant_type == GGMLType.Q4_1
                           else -8 * _float16_column(b, 0) for part, b in zip(parts, blocks)])
         codes = torch.cat([b[..., -16:] for b in blocks]).flatten(1)  # the last 16 bytes: nibbles
-        return Int4Linear(codes, scales, mins, codes.shape[1] * 2, bias, dtype, packed_max_rows=0)
+        return Int4Linear(codes, scales, mins, codes.shape[1] * 2, bias, dtype, exact=True)
     return None
 
 

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import cpu_kernels, fused_kernels
-from tokenmill.model.decode_layers import INT4, DecodeProduct
+from tokenmill.model.decode_layers import INT4, INT4_EXACT, DecodeProduct
 from tokenmill.quant.linear import (CPU_PACKED_MAX_ROWS, NO_ROW_LIMIT, QuantizedLinear,
-                                    choose_packed_kernel)
+                                    choose_packed_kernel, exact_max_rows)
 from tokenmill.quant.rotation import rotate_input
 
 
@@ -24,14 +24,23 @@ class Int4Linear(QuantizedLinear):
                  in_features: int, bias: torch.Tensor | None, dtype: torch.dtype,
                  packed_max_rows: int | None = None, looks_up_rows: bool = False,
                  packed_kernel: str | None = None,
-                 input_rotation: torch.Tensor | None = None) -> None:
+                 input_rotation: torch.Tensor | None = None, exact: bool = False) -> None:
         """codes uint8 [out, padded_in / 2]; scales, mins float32 [out, padded_in / group_size];
         `dtype` the activations'. packed_kernel "tokenmill" or "aten", None for tokenmill's where
         it can run; packed_max_rows None picks that kernel's measured crossover when it can run
-        this shape. `looks_up_rows`: it also serves as the (tied) embedding."""
+        this shape. `looks_up_rows`: it also serves as the (tied) embedding. `exact`: every
+        output is the float model's from the de-quantized weights, bit for bit (gguf; groups of
+        32: linear_int4_exact where the float model runs linear_bf16, else de-quantize)."""
         out_features, padded_in_features = codes.shape[0], codes.shape[1] * 2
-        packed_kernel = choose_packed_kernel(packed_kernel, codes.device, dtype, out_features,
-                                             padded_in_features)
+        if exact:
+            group_size = padded_in_features // scales.shape[1]
+            packed_max_rows = exact_max_rows(codes.device, dtype, out_features, in_features,
+                                             padded_in_features, group_size) \
+                if group_size == 32 else 0
+            packed_kernel = "tokenmill"
+        else:
+            packed_kernel = choose_packed_kernel(packed_kernel, codes.device, dtype,
+                                                 out_features, padded_in_features)
         if packed_max_rows is None:
             packed_max_rows = _default_packed_max_rows(codes.device, dtype, out_features,
                                                        padded_in_features, packed_kernel)
@@ -39,6 +48,7 @@ class Int4Linear(QuantizedLinear):
                          input_rotation)
         self.group_size = padded_in_features // scales.shape[1]
         self.packed_kernel = packed_kernel
+        self.exact = exact
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
         self.register_buffer("mins", mins)
@@ -103,6 +113,9 @@ class Int4Linear(QuantizedLinear):
         return values.add_(mins.unsqueeze(-1)).flatten(-2).to(dtype)
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact:
+            return cpu_kernels().linear_int4_exact(x, self.codes, self.scales, self.mins,
+                                                   self.bias)
         if self.packed_kernel == "tokenmill":  # it rotates x itself: one call less at decode
             return cpu_kernels().linear_int4(x, self.codes, self.scales, self.mins,
                                              self.group_size, self.bias, self.input_rotation)
@@ -114,6 +127,9 @@ class Int4Linear(QuantizedLinear):
     def decode_product(self) -> DecodeProduct | None:
         if self.packed_kernel != "tokenmill":
             return None
+        if self.exact:
+            return DecodeProduct(INT4_EXACT, (self.codes, self.scales, self.mins), self.bias,
+                                 max_rows=self.packed_max_rows)
         return DecodeProduct(INT4, (self.codes, self.scales, self.mins), self.bias,
                              self.input_rotation, self.group_size, self.packed_max_rows)
 

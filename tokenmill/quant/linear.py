@@ -15,6 +15,7 @@ from torch import nn
 
 from tokenmill.kernels import cpu_kernels
 from tokenmill.model.decode_layers import DecodeProduct
+from tokenmill.model.layers import FEW_ROWS_MAX
 from tokenmill.quant.rotation import rotate_input
 
 # packed_max_rows of a layer whose packed kernel wins at every row count.
@@ -44,6 +45,18 @@ def own_kernels(device: torch.device, dtype: torch.dtype, out_features: int,
         return None
     kernels = cpu_kernels()
     return kernels if kernels is not None and kernels.linear_bf16_available() else None
+
+
+def exact_max_rows(device: torch.device, dtype: torch.dtype, out_features: int,
+                   in_features: int, padded_in_features: int, group_size: int) -> int:
+    """Rows up to which a layer that must give the float model's numbers (gguf) runs tokenmill's
+    widened kernel: those the float model's `Linear` multiplies by linear_bf16, whose result that
+    kernel gives bit for bit on the de-quantized weights (groups of a multiple of 32, no padding).
+    0 where it can't: the layer de-quantizes and multiplies as the float model does."""
+    if group_size % 32 or padded_in_features != in_features \
+            or own_kernels(device, dtype, out_features, padded_in_features) is None:
+        return 0
+    return FEW_ROWS_MAX
 
 
 def choose_packed_kernel(requested: str | None, device: torch.device, dtype: torch.dtype,
