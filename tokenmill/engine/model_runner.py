@@ -24,9 +24,9 @@ from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenmill.model.attention import (AttentionMetadata, cache_slot, decode_kernel_available,
                                        padding_mask, prefill_chunk)
+from tokenmill.model.decode_layers import DecodePlan
 from tokenmill.model.kv_int8 import cache_row
 from tokenmill.model.kv_smoothing import CALIBRATION_TEXT
-from tokenmill.model.decode_layers import DecodePlan
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.sampler import Sampler, logprob_entries
