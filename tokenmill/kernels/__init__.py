@@ -21,7 +21,7 @@ import torch
 
 logger = logging.getLogger("tokenmill.kernels")
 # One translation unit, in this order: a file may call the functions of those before it.
-SOURCES = ("prefetch.cpp", "paged_attention.cpp", "fused_ops.cpp", "hadamard.cpp",
+SOURCES = ("gil.cpp", "prefetch.cpp", "paged_attention.cpp", "fused_ops.cpp", "hadamard.cpp",
            "linear_bf16.cpp", "linear_quant.cpp", "decode_layers.cpp")
 FUNCTIONS = ["paged_decode_attention", "rms_norm", "rotary_", "write_kv_cache", "linear_bf16",
              "linear_bf16_available", "linear_int8", "linear_int4", "linear_int4_exact",

@@ -98,6 +98,7 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor positions, torch
                             torch::Tensor slot_mapping, torch::Tensor block_tables,
                             torch::Tensor seq_lens, int64_t num_heads, int64_t num_kv_heads,
                             double eps, double scale) {
+  const WithoutGil without_gil;
   const Plan plan(weights, layout, kv_caches);
   const int64_t batch = hidden.size(0), head_dim = cos_table.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;

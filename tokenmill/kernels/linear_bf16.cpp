@@ -149,6 +149,7 @@ bool linear_bf16_available() {
 // x [M, K] bfloat16 with contiguous rows; weight [N, K] bfloat16 contiguous, N a multiple of 4;
 // bias [N] bfloat16 or None. Returns [M, N] bfloat16.
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  const WithoutGil without_gil;
 #if defined(__AVX512BF16__)
   check_few_rows_input(x, bias, weight.size(0), "linear_bf16");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&

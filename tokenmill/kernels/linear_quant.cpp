@@ -346,6 +346,7 @@ struct Int4Weights {
 // linear_bf16's on the de-quantized W, bit for bit, at any number of rows.
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                           c10::optional<torch::Tensor> bias) {
+  const WithoutGil without_gil;
 #if defined(__AVX512BF16__)
   const int64_t in_features = x.size(1), out_features = codes.size(0);
   check_few_rows_input(x, bias, out_features, "linear_int8");
@@ -406,6 +407,7 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                           torch::Tensor mins, int64_t group_size,
                           c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> rotation_signs) {
+  const WithoutGil without_gil;
 #if defined(__AVX512BF16__)
   const Int4Weights w(x, codes, scales, mins, group_size, bias, "linear_int4");
   if (rotation_signs)
@@ -437,6 +439,7 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 // as linear_int4's.
 torch::Tensor linear_int4_exact(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                                 torch::Tensor mins, c10::optional<torch::Tensor> bias) {
+  const WithoutGil without_gil;
 #if defined(__AVX512BF16__)
   const Int4Weights w(x, codes, scales, mins, 32, bias, "linear_int4_exact");
   TORCH_CHECK(w.padded == x.size(1), "linear_int4_exact: K a multiple of 32, no padding");

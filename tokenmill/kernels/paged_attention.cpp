@@ -320,6 +320,7 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
 void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                             torch::Tensor out) {
+  const WithoutGil without_gil;
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q: [B, H, D] with contiguous heads");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() &&
