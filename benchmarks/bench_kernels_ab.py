@@ -5,8 +5,9 @@ change in a kernel, so both builds are timed in one process, interleaved, on the
 A pass calls every decode product of SmolLM2 in model order (30 layers of qkv, o, gate_up and
 down, then the lm_head), each with its own random weight, so every weight comes from memory as
 in decode; int4 layers are group 128 with rotated inputs, as `gptq-hadamard` makes them (the
-lm_head without). The builds take turns going first; the figure is the median pass, in ms. The other commit's kernels are built from
-its `tokenmill/kernels` sources, with this checkout's flags.
+lm_head without). The builds take turns going first; the figure is the median pass, in ms. The
+other commit's kernels are built from its `tokenmill/kernels` sources, with this checkout's
+flags.
 
     python benchmarks/bench_kernels_ab.py --against 12e58c7 --rows 1,32
 """
@@ -36,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO_ROOT, save_report  # noqa: E402
 
 LAYERS = 30
-LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
+# (out, in) of qkv, o, gate_up and down
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LM_HEAD = (49152, 576)
 
 

@@ -14,7 +14,7 @@ namespace {
 enum ProductKind : int64_t {
   kTorchLinear = 0,   // at::linear, as F.linear
   kBFloat16 = 1,      // linear_bf16 up to `param` rows, at::linear above, as Linear.forward
-  kInt8 = 2,          // linear_int8 (codes, per-row scales)
+  kInt8 = 2,          // linear_int8 (codes, per-row or grouped scales)
   kInt4 = 3,          // linear_int4 (codes, scales, mins; `param` is the group size)
   kInt4Exact = 4,     // linear_int4_exact (codes, scales, mins)
 };
@@ -46,9 +46,10 @@ struct Layer {
   Product qkv, o_proj, gate_up, down;
 };
 
-// Reads the flat description the Python side builds (LlamaForCausalLM._decode_plan): per layer
-// two norm weights, then four products, each four ints (kind, param, has bias, has rotation) and
-// its tensors, then its bias and rotation signs where it has them; the final norm's weight last.
+// Reads the flat description the Python side builds (model/decode_layers.py's DecodePlan): per
+// layer two norm weights, then four products, each four ints (kind, param, has bias, has
+// rotation) and its tensors, then its bias and rotation signs where it has them; the final
+// norm's weight last.
 struct Plan {
   std::vector<Layer> layers;
   torch::Tensor final_norm;

@@ -362,6 +362,9 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const int8_t* cs = codes.data_ptr<int8_t>();
   const float* ss = scales.data_ptr<float>();
   const Bias b(bias);
+  const auto prefetch = [&](int64_t n0) {
+    prefetch_bytes(cs + n0 * in_features, kWeightRows * in_features);
+  };
   if (groups > 1) {
     return few_rows_product(
         x, out_features, kWeightRows * in_features,
@@ -371,12 +374,9 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
           return static_cast<const uint16_t*>(scratch);
         },
         BFloat16Rows{in_features, in_features}, [&](int64_t n, float sum) { return sum + b[n]; },
-        [&](int64_t n0) { prefetch_bytes(cs + n0 * in_features, kWeightRows * in_features); });
+        prefetch);
   }
   const auto finish = [&](int64_t n, float sum) { return sum * ss[n] + b[n]; };
-  const auto prefetch = [&](int64_t n0) {
-    prefetch_bytes(cs + n0 * in_features, kWeightRows * in_features);
-  };
   if (x.size(0) > kInputRows) {
     return few_rows_product(
         x, out_features, kWeightRows * in_features,

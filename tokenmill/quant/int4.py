@@ -32,8 +32,8 @@ class Int4Linear(QuantizedLinear):
         output is the float model's from the de-quantized weights, bit for bit (gguf; groups of
         32: linear_int4_exact where the float model runs linear_bf16, else de-quantize)."""
         out_features, padded_in_features = codes.shape[0], codes.shape[1] * 2
+        group_size = padded_in_features // scales.shape[1]
         if exact:
-            group_size = padded_in_features // scales.shape[1]
             packed_max_rows = exact_max_rows(codes.device, dtype, out_features, in_features,
                                              padded_in_features, group_size) \
                 if group_size == 32 else 0
@@ -46,7 +46,7 @@ class Int4Linear(QuantizedLinear):
                                                        padded_in_features, packed_kernel)
         super().__init__(out_features, in_features, padded_in_features, bias, packed_max_rows,
                          input_rotation)
-        self.group_size = padded_in_features // scales.shape[1]
+        self.group_size = group_size
         self.packed_kernel = packed_kernel
         self.exact = exact
         self.register_buffer("codes", codes)

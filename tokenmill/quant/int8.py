@@ -29,9 +29,10 @@ class Int8Linear(QuantizedLinear):
         """
         out_features, in_features = codes.shape
         per_channel = scales.shape[1] == 1
+        group_size = in_features // scales.shape[1]
         if exact:
             packed_max_rows = exact_max_rows(codes.device, dtype, out_features, in_features,
-                                             in_features, in_features // scales.shape[1])
+                                             in_features, group_size)
             packed_kernel = "tokenmill"
         else:
             packed_kernel = choose_packed_kernel(packed_kernel, codes.device, dtype,
@@ -41,7 +42,7 @@ class Int8Linear(QuantizedLinear):
                                if codes.device.type == "cpu" else NO_ROW_LIMIT) \
                 if per_channel else 0
         super().__init__(out_features, in_features, in_features, bias, packed_max_rows)
-        self.group_size = in_features // scales.shape[1]
+        self.group_size = group_size
         self.packed_kernel = packed_kernel
         self.exact = exact
         self.register_buffer("codes", codes)
