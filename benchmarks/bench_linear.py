@@ -1,7 +1,10 @@
 """The AVX-512 BF16 few-rows kernel against torch's bf16 product, per row count, on SmolLM2's
-shapes; it sets FEW_ROWS_MAX in tokenmill/model/layers.py.
+shapes; it sets FEW_ROWS_MAX in tokenmill/model/layers.py (one value for CPUs with AMX, where torch
+multiplies on AMX tiles, one for those without).
 
     python benchmarks/bench_linear.py
+    python benchmarks/bench_linear.py --rows 1,2,3,4,5,6,8,16,32 \
+        --output-json benchmarks/results/linear_bf16-amx.json   # on a CPU with AMX
 """
 
 from __future__ import annotations

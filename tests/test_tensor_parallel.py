@@ -215,7 +215,10 @@ def test_ctrl_c_stops_every_rank(tmp_path, smollm):
         time.sleep(0.2)
     children = psutil.Process(process.pid).children(recursive=True)
     assert any("spawn_main" in " ".join(c.cmdline()) for c in children), log_path.read_text()
-    time.sleep(1.0)  # generating now
+    ready = len(log_path.read_text())
+    while len(log_path.read_text()) == ready:  # the first tokens: generating now
+        assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.02)
     os.killpg(process.pid, signal.SIGINT)
     assert process.wait(timeout=60) == 130, log_path.read_text()
     _, alive = psutil.wait_procs(children, timeout=30)

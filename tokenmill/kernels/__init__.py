@@ -58,6 +58,12 @@ def _cpu_features() -> str:
     return platform.machine()
 
 
+def cpu_has_amx() -> bool:
+    """Whether the CPU has AMX tiles for bf16, which torch's oneDNN products use: they change
+    where the few-row kernels stop paying (model/layers.py)."""
+    return "amx_bf16" in _cpu_features().split()
+
+
 def fused_kernels(x: torch.Tensor) -> ModuleType | None:
     """The kernels for a tensor on the CPU, when they built; None means: use PyTorch ops."""
     return cpu_kernels() if x.device.type == "cpu" else None

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.kernels import cpu_kernels, fused_kernels
+from tokenmill.kernels import cpu_has_amx, cpu_kernels, fused_kernels
 from tokenmill.model.decode_layers import BFLOAT16, TORCH_LINEAR, DecodeProduct
 
 
@@ -49,12 +49,13 @@ class Linear(nn.Module):
 
 
 # Rows of x up to which the AVX-512 BF16 kernel (kernels/linear_bf16.cpp) runs instead of torch's
-# bf16 product, measured by benchmarks/bench_linear.py (results/linear_bf16.json): 1.8 to 5.9x
-# faster at one row; at 32, 1.17 to 1.42x on the layers' shapes and 0.96x on the lm_head; from 48
-# to 64 rows it falls to 0.84 to 1.27x. gguf's exact layers (quant/gguf.py) take their codes to
-# the same kernel up to here, so a higher limit also keeps more of their steps off the
-# de-quantize path.
-FEW_ROWS_MAX = 32
+# bf16 product, measured by benchmarks/bench_linear.py. Without AMX (results/linear_bf16.json):
+# 1.8 to 5.9x faster at one row; at 32, 1.17 to 1.42x on the layers' shapes and 0.96x on the
+# lm_head; from 48 to 64 rows it falls to 0.84 to 1.27x. With AMX, torch's product runs on AMX
+# tiles (results/linear_bf16-amx.json): the kernel wins on every shape up to 4 rows (1.01 to
+# 4.5x), loses the lm_head from 5 rows and the MLP from 6, and runs 0.24 to 0.39x torch at 32.
+# gguf's exact layers (quant/gguf.py) take their codes to the same kernel up to here.
+FEW_ROWS_MAX = 4 if cpu_has_amx() else 32
 
 
 def _few_rows_kernel(weight: torch.Tensor) -> bool:

@@ -92,7 +92,8 @@ class Int4Linear(QuantizedLinear):
         return torch.cat((grouped & 0x0F, grouped >> 4), dim=-1)
 
     def dequantize_padded(self, rows: torch.Tensor | slice | None = None,
-                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                          dtype: torch.dtype = torch.float32,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
         if self.codes is None:
             raise RuntimeError("this layer keeps only the packed kernel's copy of its codes")
         scales, mins = (self.scales, self.mins) if rows is None \
@@ -100,7 +101,8 @@ class Int4Linear(QuantizedLinear):
         kernels = fused_kernels(self.codes)
         if kernels is not None:  # one pass instead of five, the same numbers
             codes = self.codes if rows is None else self.codes[rows]
-            out = torch.empty(*codes.shape[:-1], self.padded_in_features, dtype=dtype)
+            if out is None:
+                out = torch.empty(*codes.shape[:-1], self.padded_in_features, dtype=dtype)
             kernels.dequantize_int4(codes.reshape(-1, codes.shape[-1]),
                                     scales.reshape(-1, scales.shape[-1]).contiguous(),
                                     mins.reshape(-1, mins.shape[-1]).contiguous(),

@@ -66,12 +66,14 @@ class Int8Linear(QuantizedLinear):
         return cls(codes, scales, bias, weight.dtype, packed_max_rows, packed_kernel)
 
     def dequantize_padded(self, rows: torch.Tensor | slice | None = None,
-                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                          dtype: torch.dtype = torch.float32,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
         codes, scales = (self.codes, self.scales) if rows is None \
             else (self.codes[rows], self.scales[rows])
         kernels = fused_kernels(codes)
         if kernels is not None:  # one pass instead of three, the same numbers
-            out = torch.empty(codes.shape, dtype=dtype)
+            if out is None:
+                out = torch.empty(codes.shape, dtype=dtype)
             kernels.dequantize_int8(codes.reshape(-1, codes.shape[-1]),
                                     scales.reshape(-1, scales.shape[-1]).contiguous(),
                                     self.group_size, out.view(-1, codes.shape[-1]))

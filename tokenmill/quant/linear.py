@@ -20,10 +20,10 @@ from tokenmill.quant.rotation import rotate_input
 
 # packed_max_rows of a layer whose packed kernel wins at every row count.
 NO_ROW_LIMIT = sys.maxsize
-# Bytes of float32 weights de-quantized at a time on the de-quantize path: on SmolLM2's lm_head
-# and Qwen2.5's MLP, 1 to 4 MiB ran 1.5 to 4x faster than the whole matrix, 256 KiB paid for
-# its Python loop.
-DEQUANTIZE_CHUNK_BYTES = 2 << 20
+# The de-quantize path's buffers for W, one per (device, dtype), grown to the largest layer and
+# reused by every layer and step: a fresh allocation the size of a large W (the lm_head) costs
+# more in page faults than its GEMM.
+_WORKSPACES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 PACKED_KERNELS = ("tokenmill", "aten")
@@ -97,9 +97,11 @@ class QuantizedLinear(nn.Module):
         self.packed_max_rows = packed_max_rows
 
     def dequantize_padded(self, rows: torch.Tensor | slice | None = None,
-                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                          dtype: torch.dtype = torch.float32,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
         """W (or only W[rows]) [rows, padded_in_features]: each value computed in float32, then
-        rounded once to `dtype`."""
+        rounded once to `dtype`; written into `out` (of that shape and dtype) where it is given
+        and the C++ kernels run, else into a new tensor."""
         raise NotImplementedError
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,18 +141,21 @@ class QuantizedLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        # A slice of W at a time: a float copy of a whole large W (the lm_head) is a fresh
-        # allocation whose page faults cost more than the GEMM, where a small slice is reused
-        # from the heap and still in cache when the GEMM reads it. Slices start at multiples of
-        # 64 outputs, so every output keeps its SIMD lane and its sum: the result equals one
-        # F.linear bit for bit (slices of 910 rows did not, at one row).
-        step = max(64, DEQUANTIZE_CHUNK_BYTES // (4 * self.padded_in_features) // 64 * 64)
-        outputs = []
-        for start in range(0, self.out_features, step):
-            rows = slice(start, start + step)
-            bias = None if self.bias is None else self.bias[rows]
-            outputs.append(F.linear(x, self.dequantize_padded(rows, x.dtype), bias))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        # One F.linear over the whole W, the float model's product on the same values: the BLAS
+        # chooses its blocking by shape, and slices of W summed differently from the whole on
+        # some CPUs (fp32 at 7 rows, on one with AMX).
+        shape = (self.out_features, self.padded_in_features)
+        weight = self.dequantize_padded(None, x.dtype, _workspace(shape, x.dtype, x.device))
+        return F.linear(x, weight, self.bias)
+
+
+def _workspace(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [shape] view of the buffer for (device, dtype), valid until the next call."""
+    numel = shape[0] * shape[1]
+    buffer = _WORKSPACES.get((device, dtype))
+    if buffer is None or buffer.numel() < numel:
+        buffer = _WORKSPACES[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel].view(shape)
 
 
 class QuantizedEmbedding(nn.Module):
