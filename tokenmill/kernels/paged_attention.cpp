@@ -200,25 +200,70 @@ void score_run(const float* query, const T* rows, int64_t stride, int64_t count,
                         _mm512_mul_ps(sum_each(sums), _mm512_set1_ps(scale)));
 }
 
-// head_dim a multiple of 64: four registers of acc at a time.
-template <typename T>
-void accumulate_run(const float* weights, const T* rows, int64_t stride, int64_t count,
-                    int64_t head_dim, float* acc) {
+#if defined(__AVX512BF16__)
+// score_run for a bfloat16 query over bfloat16 rows: VDPBF16PS multiplies bf16 pairs exactly and
+// sums them in float32, 32 elements an instruction where the widened rows take 16 and a shift.
+// head_dim a multiple of 32.
+inline void score_run(const c10::BFloat16* query, const c10::BFloat16* rows, int64_t stride,
+                      int64_t count, int64_t head_dim, float scale, float* scores) {
+  __m512 sums[kRun];
+#pragma GCC unroll 16
+  for (int i = 0; i < kRun; ++i) sums[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < head_dim; c += 32) {
+    const __m512bh q = (__m512bh)_mm512_loadu_si512(query + c);
+#pragma GCC unroll 16
+    for (int i = 0; i < kRun; ++i)
+      sums[i] = _mm512_dpbf16_ps(sums[i], q, (__m512bh)_mm512_loadu_si512(rows + i * stride + c));
+  }
+  _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << count) - 1),
+                        _mm512_mul_ps(sum_each(sums), _mm512_set1_ps(scale)));
+}
+#endif
+
+// acc[j] += sum_i weights[j * weight_stride + i] * row i, for the HEADS query heads that share
+// these rows (a KV head's group): each row is widened to float once for all of them. head_dim a
+// multiple of 64: four registers of each head's acc at a time.
+template <int HEADS, typename T>
+void accumulate_run(const float* weights, int64_t weight_stride, const T* rows, int64_t stride,
+                    int64_t count, int64_t head_dim, float* acc) {
   for (int64_t c = 0; c < head_dim; c += 64) {
-    __m512 a0 = _mm512_loadu_ps(acc + c), a1 = _mm512_loadu_ps(acc + c + 16);
-    __m512 a2 = _mm512_loadu_ps(acc + c + 32), a3 = _mm512_loadu_ps(acc + c + 48);
+    __m512 a[HEADS][4];
+#pragma GCC unroll 4
+    for (int j = 0; j < HEADS; ++j)
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) a[j][r] = _mm512_loadu_ps(acc + j * head_dim + c + 16 * r);
     for (int64_t i = 0; i < count; ++i) {
-      const __m512 w = _mm512_set1_ps(weights[i]);
       const T* row = rows + i * stride + c;
-      a0 = _mm512_fmadd_ps(w, load16(row), a0);
-      a1 = _mm512_fmadd_ps(w, load16(row + 16), a1);
-      a2 = _mm512_fmadd_ps(w, load16(row + 32), a2);
-      a3 = _mm512_fmadd_ps(w, load16(row + 48), a3);
+      __m512 v[4];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) v[r] = load16(row + 16 * r);
+#pragma GCC unroll 4
+      for (int j = 0; j < HEADS; ++j) {
+        const __m512 w = _mm512_set1_ps(weights[j * weight_stride + i]);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) a[j][r] = _mm512_fmadd_ps(w, v[r], a[j][r]);
+      }
     }
-    _mm512_storeu_ps(acc + c, a0);
-    _mm512_storeu_ps(acc + c + 16, a1);
-    _mm512_storeu_ps(acc + c + 32, a2);
-    _mm512_storeu_ps(acc + c + 48, a3);
+#pragma GCC unroll 4
+    for (int j = 0; j < HEADS; ++j)
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) _mm512_storeu_ps(acc + j * head_dim + c + 16 * r, a[j][r]);
+  }
+}
+
+// accumulate_run for heads [first, first + heads) of one group, up to three at a time (twelve
+// accumulators, four widened rows and a weight in the 32 registers).
+template <typename T>
+void accumulate_heads(const float* weights, int64_t weight_stride, const T* rows, int64_t stride,
+                      int64_t count, int64_t head_dim, int64_t heads, float* acc) {
+  for (int64_t j = 0; j < heads; j += 3) {
+    const float* w = weights + j * weight_stride;
+    float* a = acc + j * head_dim;
+    switch (std::min<int64_t>(3, heads - j)) {
+      case 1: accumulate_run<1>(w, weight_stride, rows, stride, count, head_dim, a); break;
+      case 2: accumulate_run<2>(w, weight_stride, rows, stride, count, head_dim, a); break;
+      default: accumulate_run<3>(w, weight_stride, rows, stride, count, head_dim, a);
+    }
   }
 }
 
@@ -273,6 +318,13 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
 #if defined(__AVX512F__)
           if constexpr (kVectorRows<T>) {
             if (vector_rows && room >= kRun) {
+#if defined(__AVX512BF16__)
+              if constexpr (std::is_same_v<T, c10::BFloat16>) {  // then q is bfloat16 too
+                score_run(q + b * q_token_stride + g * head_dim, rows, token_stride, count,
+                          head_dim, scale, out_scores);
+                continue;
+              }
+#endif
               score_run(queries.data() + g * head_dim, rows, token_stride, count, head_dim,
                         scale, out_scores);
               continue;
@@ -287,21 +339,20 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_run(v_cache, table, len, block_size, token_stride, run,
                    [&](int64_t t, const T* tokens, int64_t, int64_t count) {
-        for (int64_t g = 0; g < num_heads; ++g) {
-          const T* rows = tokens + (g / group) * row_width;
-          const float* weights = scores.data() + g * len + t;
 #if defined(__AVX512F__)
-          if constexpr (kVectorRows<T>) {
-            if (vector_rows) {
-              accumulate_run(weights, rows, token_stride, count, head_dim,
-                             acc.data() + g * head_dim);
-              continue;
-            }
+        if constexpr (kVectorRows<T>) {
+          if (vector_rows) {
+            for (int64_t h = 0; h < num_kv_heads; ++h)
+              accumulate_heads(scores.data() + h * group * len + t, len,
+                               tokens + h * row_width, token_stride, count, head_dim, group,
+                               acc.data() + h * group * head_dim);
+            return;
           }
-#endif
-          accumulate_rows(weights, rows, token_stride, count, head_dim, acc.data() + g * head_dim,
-                          row.data());
         }
+#endif
+        for (int64_t g = 0; g < num_heads; ++g)
+          accumulate_rows(scores.data() + g * len + t, tokens + (g / group) * row_width,
+                          token_stride, count, head_dim, acc.data() + g * head_dim, row.data());
       });
       Q* dst = out + b * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) dst[i] = static_cast<Q>(acc[i]);
