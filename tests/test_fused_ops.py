@@ -102,3 +102,18 @@ def test_few_rows_bf16_linear(in_features):
     assert torch.equal(linear(x), out)
     with pytest.raises(RuntimeError, match="multiple of 4"):
         cpu_kernels().linear_bf16(x, weight[:95], None)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+def test_bf16_linear_beyond_few_rows_multiplies_a_packed_copy():
+    """Past FEW_ROWS_MAX rows a bfloat16 Linear multiplies oneDNN's packed copy of W: close to
+    the float product at decode and prefill row counts, and the decode stack gets that copy."""
+    torch.manual_seed(5)
+    weight, bias = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
+    linear = layers.Linear(weight, bias)
+    for rows in (layers.FEW_ROWS_MAX + 1, 33, 300):
+        x = torch.randn(rows, 64).bfloat16()
+        expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+        torch.testing.assert_close(linear(x).float(), expected, atol=0.05, rtol=2 ** -7)
+    assert linear.packed is not None and linear.decode_product().tensors[1] is linear.packed
+    assert layers.Linear(weight.float()).packed is None  # float32 keeps F.linear

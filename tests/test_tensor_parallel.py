@@ -216,7 +216,7 @@ def test_ctrl_c_stops_every_rank(tmp_path, smollm):
     children = psutil.Process(process.pid).children(recursive=True)
     assert any("spawn_main" in " ".join(c.cmdline()) for c in children), log_path.read_text()
     ready = len(log_path.read_text())
-    while len(log_path.read_text()) == ready:  # the first tokens: generating now
+    while len(log_path.read_text()) < ready + 200:  # text streaming: generating now
         assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
         time.sleep(0.02)
     os.killpg(process.pid, signal.SIGINT)

@@ -10,10 +10,21 @@
 
 namespace {
 
+// model/layers.py's packed_bf16: oneDNN's product on a weight it laid out itself.
+torch::Tensor packed_bf16(const torch::Tensor& x, const torch::Tensor& packed,
+                          const c10::optional<torch::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias, std::string("none"),
+                          c10::List<c10::optional<c10::Scalar>>(), std::string("")};
+  op.callBoxed(&stack);
+  return stack.at(0).toTensor();
+}
+
 // How a product runs; model/layers.py and quant/ say which a layer takes (`decode_product`).
 enum ProductKind : int64_t {
   kTorchLinear = 0,   // at::linear, as F.linear
-  kBFloat16 = 1,      // linear_bf16 up to `param` rows, at::linear above, as Linear.forward
+  kBFloat16 = 1,      // linear_bf16 up to `param` rows, packed_bf16 above, as Linear.forward
   kInt8 = 2,          // linear_int8 (codes, per-row or grouped scales)
   kInt4 = 3,          // linear_int4 (codes, scales, mins; `param` is the group size)
   kInt4Exact = 4,     // linear_int4_exact (codes, scales, mins)
@@ -28,7 +39,7 @@ struct Product {
     switch (kind) {
       case kBFloat16:
         if (x.size(0) <= param) return linear_bf16(x, tensors[0], bias);
-        return at::linear(x, tensors[0], bias);
+        return packed_bf16(x, tensors[1], bias);
       case kTorchLinear:
         return at::linear(x, tensors[0], bias);
       case kInt8:
@@ -62,7 +73,7 @@ struct Plan {
       p.kind = layout.at(l++);
       p.param = layout.at(l++);
       const bool has_bias = layout.at(l++), has_rotation = layout.at(l++);
-      const int count = p.kind >= kInt4 ? 3 : p.kind == kInt8 ? 2 : 1;
+      const int count = p.kind >= kInt4 ? 3 : p.kind == kTorchLinear ? 1 : 2;
       for (int i = 0; i < count; ++i) p.tensors.push_back(weights.at(w++));
       if (has_bias) p.bias = weights.at(w++);
       if (has_rotation) p.rotation = weights.at(w++);

@@ -21,6 +21,11 @@ class Linear(nn.Module):
 
     `sources` names the checkpoint tensors stacked into W, in row order, so a quantizer that
     reads the checkpoint's own blocks (GGUF) can rebuild this product from them.
+
+    In bfloat16 on CPU, up to FEW_ROWS_MAX rows of x go through tokenmill's few-row kernel and
+    more through oneDNN's product on a copy of W in oneDNN's own blocked layout (`packed_bf16`):
+    F.linear re-lays W out on every call, which cost about as much as the product itself at
+    decode's row counts. The copy is made on first use and doubles this layer's weight memory.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -30,22 +35,58 @@ class Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.sources = sources
         self.few_rows_kernel = _few_rows_kernel(self.weight)
+        self._packed: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    @property
+    def packed(self) -> torch.Tensor | None:
+        """W in oneDNN's blocked layout for packed_bf16, or None where it doesn't apply."""
+        if self._packed is None and packs_bf16(self.weight):
+            self._packed = pack_bf16(self.weight)
+        return self._packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_rows_kernel and x.dim() == 2 and x.shape[0] <= FEW_ROWS_MAX \
-                and x.dtype == torch.bfloat16:
-            return cpu_kernels().linear_bf16(x, self.weight, self.bias)
+        if x.dtype == torch.bfloat16 and x.dim() == 2:
+            if self.few_rows_kernel and x.shape[0] <= FEW_ROWS_MAX:
+                return cpu_kernels().linear_bf16(x, self.weight, self.bias)
+            if self.packed is not None:
+                return packed_bf16(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def decode_product(self) -> DecodeProduct:
         """This product in the C++ decode stack, which chooses as forward does."""
-        if self.few_rows_kernel:
-            return DecodeProduct(BFLOAT16, (self.weight,), self.bias, param=FEW_ROWS_MAX)
+        if self.packed is not None:
+            few_rows = FEW_ROWS_MAX if self.few_rows_kernel else 0
+            return DecodeProduct(BFLOAT16, (self.weight, self.packed), self.bias, param=few_rows)
         return DecodeProduct(TORCH_LINEAR, (self.weight,), self.bias)
+
+
+def packs_bf16(weight: torch.Tensor) -> bool:
+    """Whether W can be multiplied by packed_bf16: bfloat16 on a CPU, where torch has oneDNN."""
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" \
+        and weight.dim() == 2 and torch.backends.mkldnn.is_available()
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] laid out in oneDNN's blocks for packed_bf16 (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACKED_ROWS_HINT)
+
+
+def packed_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+                ) -> torch.Tensor:
+    """x W^T + b for bfloat16 x [M, K] and W packed by pack_bf16, by oneDNN. A layer that must
+    give a `Linear`'s numbers on the same W (gguf's, de-quantizing) calls this too: F.linear
+    gave the same sums at the row counts tried, but nothing promises it."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# The row count oneDNN lays W out for. Measured at 8 to 2048 rows (1, 16 and 64), it mattered
+# less than 10% above 128 rows; 64 was within 10% of the best below, and packed_bf16 then beat
+# F.linear by 1.3 to 2.6x from 5 to 64 rows and matched it from 512 (results/linear_bf16-amx.json).
+PACKED_ROWS_HINT = 64
 
 
 # Rows of x up to which the AVX-512 BF16 kernel (kernels/linear_bf16.cpp) runs instead of torch's
