@@ -83,20 +83,21 @@ def packed_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-# The row count oneDNN lays W out for. Measured at 8 to 2048 rows (1, 16 and 64), it mattered
-# less than 10% above 128 rows; 64 was within 10% of the best below, and packed_bf16 then beat
-# F.linear by 1.3 to 2.6x from 5 to 64 rows and matched it from 512 (results/linear_bf16-amx.json).
+# The row count oneDNN lays W out for. Hints of 1, 16 and 64 tried at 8 to 2048 rows on the AMX
+# machine differed by 10% or less but at a few shapes; with 64, packed_bf16 beat F.linear by 1.0 to
+# 2.7x from 1 to 256 rows and matched it (0.94 to 1.05x) at 2048 (results/linear_bf16-amx.json).
 PACKED_ROWS_HINT = 64
 
 
-# Rows of x up to which the AVX-512 BF16 kernel (kernels/linear_bf16.cpp) runs instead of torch's
-# bf16 product, measured by benchmarks/bench_linear.py. Without AMX (results/linear_bf16.json):
-# 1.8 to 5.9x faster at one row; at 32, 1.17 to 1.42x on the layers' shapes and 0.96x on the
-# lm_head; from 48 to 64 rows it falls to 0.84 to 1.27x. With AMX, torch's product runs on AMX
-# tiles (results/linear_bf16-amx.json): the kernel wins on every shape up to 4 rows (1.01 to
-# 4.5x), loses the lm_head from 5 rows and the MLP from 6, and runs 0.24 to 0.39x torch at 32.
+# Rows of x up to which the AVX-512 BF16 kernel (kernels/linear_bf16.cpp) runs instead of oneDNN,
+# measured by benchmarks/bench_linear.py. Without AMX (results/linear_bf16.json, against F.linear
+# before W was packed): 1.8 to 5.9x faster at one row; at 32, 1.17 to 1.42x on the layers' shapes
+# and 0.96x on the lm_head; from 48 to 64 rows 0.84 to 1.27x. With AMX oneDNN multiplies on AMX
+# tiles (results/linear_bf16-amx.json): the kernel beats the packed product on every shape at one
+# row (1.08 to 3.0x) and on the layers' shapes at two (1.10 to 2.0x; the lm_head 0.90x), and from
+# 4 rows loses most of them.
 # gguf's exact layers (quant/gguf.py) take their codes to the same kernel up to here.
-FEW_ROWS_MAX = 4 if cpu_has_amx() else 32
+FEW_ROWS_MAX = 2 if cpu_has_amx() else 32
 
 
 def _few_rows_kernel(weight: torch.Tensor) -> bool:
