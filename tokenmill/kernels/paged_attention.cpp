@@ -277,8 +277,11 @@ constexpr bool kVectorRows = std::is_same_v<T, float> || std::is_same_v<T, c10::
 template <typename T, typename Fn>
 inline void for_each_run(const T* cache, const int64_t* table, int64_t len, int64_t block_size,
                          int64_t token_stride, int64_t run, Fn fn) {
+  const int64_t block_bytes = block_size * token_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t block = 0, t = 0; t < len; ++block) {
     const T* tokens = cache + table[block] * block_size * token_stride;
+    if (t + block_size < len)  // the next block, while this one is read: blocks lie anywhere
+      prefetch_bytes(cache + table[block + 1] * block_size * token_stride, block_bytes);
     for (int64_t offset = 0; offset < block_size && t < len; offset += run) {
       const int64_t count = std::min({run, block_size - offset, len - t});
       fn(t, tokens + offset * token_stride, block_size - offset, count);
