@@ -206,8 +206,11 @@ def test_ctrl_c_stops_every_rank(tmp_path, smollm):
                "--tensor-parallel-size", "2", "--max-tokens", "3000", "--num-threads", "2"]
     with log_path.open("w") as log:
         # Its own session, so the SIGINT below reaches its process group as a terminal's would.
+        # SIGINT at its default: a shell runs background jobs (`pytest &`) with it ignored, and
+        # a child inherits that, so Python would never raise KeyboardInterrupt there.
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 120
     while "tokenmill[rank 1]: weights:" not in log_path.read_text():  # the worker is ready

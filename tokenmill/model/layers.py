@@ -182,5 +182,8 @@ class GatedMLP(nn.Module):
         self.down = down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In place in gate_up's output, the same values: two fresh [tokens, intermediate] tensors
+        # a layer cost more than the product at prefill (page faults of new large buffers; a
+        # 2048-token step of SmolLM2 went from 0.9-1.7 to 0.7 s).
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(F.silu(gate, inplace=True).mul_(up))
