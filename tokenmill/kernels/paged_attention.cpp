@@ -251,8 +251,9 @@ void accumulate_run(const float* weights, int64_t weight_stride, const T* rows, 
   }
 }
 
-// accumulate_run for heads [first, first + heads) of one group, up to three at a time (twelve
-// accumulators, four widened rows and a weight in the 32 registers).
+// accumulate_run for the `heads` query heads of one group (their weights weight_stride apart,
+// their acc head_dim apart), up to three at a time: twelve accumulators, four widened rows and a
+// weight in the 32 registers.
 template <typename T>
 void accumulate_heads(const float* weights, int64_t weight_stride, const T* rows, int64_t stride,
                       int64_t count, int64_t head_dim, int64_t heads, float* acc) {

@@ -49,12 +49,10 @@ class Linear(nn.Module):
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and x.dim() == 2:
-            if self.few_rows_kernel and x.shape[0] <= FEW_ROWS_MAX:
-                return cpu_kernels().linear_bf16(x, self.weight, self.bias)
-            if self.packed is not None:
-                return packed_bf16(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        if self.few_rows_kernel and x.dim() == 2 and x.shape[0] <= FEW_ROWS_MAX \
+                and x.dtype == torch.bfloat16:
+            return cpu_kernels().linear_bf16(x, self.weight, self.bias)
+        return float_product(x, self.weight, self.bias, self.packed)
 
     def decode_product(self) -> DecodeProduct:
         """This product in the C++ decode stack, which chooses as forward does."""
@@ -77,10 +75,20 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
                 ) -> torch.Tensor:
-    """x W^T + b for bfloat16 x [M, K] and W packed by pack_bf16, by oneDNN. A layer that must
-    give a `Linear`'s numbers on the same W (gguf's, de-quantizing) calls this too: F.linear
-    gave the same sums at the row counts tried, but nothing promises it."""
+    """x W^T + b for bfloat16 x [M, K] and W packed by pack_bf16, by oneDNN."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def float_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b past the few-row kernel: packed_bf16 for 2-D bfloat16 x where W packs (on
+    `packed`, or on W packed for this call), else F.linear. `Linear` and the de-quantize path of
+    the quantized layers both multiply here, so gguf's layers give the float model's numbers on
+    the same W (F.linear gave packed_bf16's sums at the row counts tried, but nothing promises
+    it)."""
+    if x.dtype == torch.bfloat16 and x.dim() == 2 and packs_bf16(weight):
+        return packed_bf16(x, pack_bf16(weight) if packed is None else packed, bias)
+    return F.linear(x, weight, bias)
 
 
 # The row count oneDNN lays W out for. Hints of 1, 16 and 64 tried at 8 to 2048 rows on the AMX

@@ -15,7 +15,7 @@ from torch import nn
 
 from tokenmill.kernels import cpu_kernels
 from tokenmill.model.decode_layers import DecodeProduct
-from tokenmill.model.layers import FEW_ROWS_MAX, pack_bf16, packed_bf16, packs_bf16
+from tokenmill.model.layers import FEW_ROWS_MAX, float_product
 from tokenmill.quant.rotation import rotate_input
 
 # packed_max_rows of a layer whose packed kernel wins at every row count.
@@ -146,9 +146,7 @@ class QuantizedLinear(nn.Module):
         # (fp32 at 7 rows, on one with AMX).
         shape = (self.out_features, self.padded_in_features)
         weight = self.dequantize_padded(None, x.dtype, _workspace(shape, x.dtype, x.device))
-        if x.dtype == torch.bfloat16 and x.dim() == 2 and packs_bf16(weight):  # as Linear does
-            return packed_bf16(x, pack_bf16(weight), self.bias)
-        return F.linear(x, weight, self.bias)
+        return float_product(x, weight, self.bias)
 
 
 def _workspace(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
