@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from tests.prompts import SYSTEM_PROMPT, varied_prompts
 from tokenmill import EngineConfig, SamplingParams
+from tokenmill.kernels import cpu_has_amx
 from tokenmill.model.layers import FEW_ROWS_MAX, Linear
 from tokenmill.model.loader import GGUFBlocks
 from tokenmill.quant.gguf import gguf_linear
@@ -24,7 +25,7 @@ from tokenmill.quant.int8 import Int8Linear
 from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedEmbedding, QuantizedLinear, own_kernels
 from tokenmill.quant.rotation import rotation_matrix, rotate_input, rotation_signs
 
-ROW_COUNTS = (1, 3, 8, 64, 256)
+ROW_COUNTS = (1, 3, 8, 17, 64, 256)
 PACKED, DEQUANTIZE = NO_ROW_LIMIT, 0  # packed_max_rows forcing one path at every row count
 
 
@@ -109,7 +110,8 @@ def activation_group(layer: QuantizedLinear, rows: int) -> int | None:
     where x is multiplied as it is."""
     if layer.packed_kernel != "tokenmill" or rows > layer.packed_max_rows:
         return None
-    if not isinstance(layer, Int4Linear) or rows > 16:  # kInt8ActivationMaxRows
+    # kInt8ActivationMaxRows, or kInt8ActivationMaxRowsWithAmx where AMX tiles take more rows
+    if not isinstance(layer, Int4Linear) or rows > (8 if cpu_has_amx() else 16):
         return None
     return layer.group_size
 
@@ -208,19 +210,35 @@ def test_always_packed_int4_keeps_one_copy_of_its_codes() -> None:
 
 
 @pytest.mark.skipif(not OWN_KERNELS, reason="tokenmill's int8/int4 kernels need AVX-512 BF16")
-def test_own_kernels_read_the_codes_and_give_each_row_the_same_result_in_any_batch() -> None:
+def test_own_kernels_read_the_codes_and_give_each_row_the_same_result_on_one_path() -> None:
     weight, bias = random_weight(96, 576).bfloat16(), torch.randn(96).bfloat16()
     x = torch.randn(16, 576).bfloat16()
     for layer in layers(weight, bias, PACKED):
         assert layer.packed_kernel == "tokenmill" and layer.codes is not None
         assert getattr(layer, "kernel_weight", None) is None  # no second, packed copy
-        out = layer(x)
-        for rows in (1, 3, 5):
-            assert torch.equal(layer(x[:rows]), out[:rows])
+        # Each row count runs one path (few-row tiles, int8 codes of x, or AMX tiles): within
+        # a path a row's sums don't depend on the rows beside it.
+        for few, more in ((1, 3), (9, 16)):
+            assert torch.equal(layer(x[:few]), layer(x[:more])[:few])
     # a shape the kernels can't tile goes to aten's, and can't be forced onto them
     assert Int8Linear.quantize(random_weight(42, 256).bfloat16()).packed_kernel == "aten"
     with pytest.raises(ValueError, match="can't run this layer"):
         Int8Linear.quantize(random_weight(42, 256).bfloat16(), packed_kernel="tokenmill")
+
+
+@pytest.mark.skipif(not (OWN_KERNELS and cpu_has_amx()), reason="AMX tiles (kernels/linear_amx.cpp)")
+@pytest.mark.parametrize("rows", [4, 9, 17, 40])
+def test_amx_tiles_match_the_float_reference_on_part_filled_tiles(rows: int) -> None:
+    # 112 outputs: three blocks of 32 and one of 16; 17 and 40 rows part-fill a tile of x
+    weight, bias = random_weight(112, 576).bfloat16(), torch.randn(112).bfloat16()
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    for layer in layers(weight, bias, PACKED):
+        expected = F.linear(layer.rotated(x).float(), layer.dequantize().float(), bias.float())
+        out = layer(x)
+        if activation_group(layer, rows) is None:  # int4 up to 8 rows meets x as int8 codes
+            torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+        if rows >= 9:
+            assert torch.equal(layer(x[:9]), out[:9])
 
 
 def test_packed_path_is_skipped_where_the_kernel_cannot_run() -> None:

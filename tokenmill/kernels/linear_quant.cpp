@@ -46,9 +46,10 @@ inline void int8_tile(const uint16_t* x, int64_t x_stride, const int8_t* codes,
   for (int m = 0; m < MT; ++m) store_sums(acc[m], out[m]);
 }
 
-// kWeightRows int8 rows -> bfloat16 [kWeightRows, K] in `out`.
-inline void widen_int8_rows(const int8_t* codes, int64_t in_features, uint16_t* out) {
-  for (int64_t i = 0; i < kWeightRows * in_features; i += 32)
+// `rows` int8 rows -> bfloat16 [rows, K] in `out`.
+inline void widen_int8_rows(const int8_t* codes, int64_t in_features, int64_t rows,
+                            uint16_t* out) {
+  for (int64_t i = 0; i < rows * in_features; i += 32)
     _mm512_storeu_si512(out + i, (__m512i)widen_int8(codes + i));
 }
 
@@ -77,6 +78,10 @@ inline void widen_scaled_int8_rows(const int8_t* codes, const float* scales, int
 // product than the int8-code path below (measured at 32 and 64 rows: 10 to 30% less time). Up to
 // it, x is quantized to int8 codes.
 constexpr int64_t kInt8ActivationMaxRows = 16;
+// With AMX tiles (linear_amx.cpp), widening int4 codes for them is the tiles' main cost; the
+// int8-code path still won up to 8 rows there (SmolLM2's gate_up: 124 against 133 us at 8 rows,
+// AMX 122 against about 180 at 12; benchmarks/bench_quant_kernels.py).
+constexpr int64_t kInt8ActivationMaxRowsWithAmx = 8;
 
 // Widened, a group's 16 possible values, code * scale + min rounded to
 // bfloat16, make a table that VPERMW looks 32 codes up in at once.
@@ -321,9 +326,22 @@ struct Int4Weights {
     };
   }
 
-  // Each block of W widened to bfloat16 once for every row of x (already rotated).
-  torch::Tensor widened_product(const torch::Tensor& x) const {
+  // Each block of W widened to bfloat16 once for every row of x (already rotated). `tiles`:
+  // multiplied on AMX tiles (linear_amx.cpp), else by linear_bf16.cpp's tile.
+  torch::Tensor widened_product(const torch::Tensor& x, bool tiles) const {
     const torch::Tensor xo = group_size % 64 == 0 ? fused_order(x, padded, group_size) : x;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (tiles)
+      return amx_product(
+          xo, out_features, padded, true,
+          [&](int64_t n0, int64_t count, uint16_t* scratch) {
+            for (int64_t r = 0; r < count; r += kWeightRows)
+              widen_int4_rows(codes + (n0 + r) * padded / 2, scales + (n0 + r) * groups,
+                              mins + (n0 + r) * groups, padded, group_size, scratch + r * padded);
+            return static_cast<const uint16_t*>(scratch);
+          },
+          nullptr, bias.values);
+#endif
     return few_rows_product(
         xo, out_features, kWeightRows * padded,
         [&](int64_t n0, uint16_t* scratch) {
@@ -377,11 +395,21 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
         prefetch);
   }
   const auto finish = [&](int64_t n, float sum) { return sum * ss[n] + b[n]; };
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (use_amx(x.size(0), out_features))
+    return amx_product(
+        x, out_features, in_features, true,
+        [&](int64_t n0, int64_t count, uint16_t* scratch) {
+          widen_int8_rows(cs + n0 * in_features, in_features, count, scratch);
+          return static_cast<const uint16_t*>(scratch);
+        },
+        ss, b.values);
+#endif
   if (x.size(0) > kInputRows) {
     return few_rows_product(
         x, out_features, kWeightRows * in_features,
         [&](int64_t n0, uint16_t* scratch) {
-          widen_int8_rows(cs + n0 * in_features, in_features, scratch);
+          widen_int8_rows(cs + n0 * in_features, in_features, kWeightRows, scratch);
           return static_cast<const uint16_t*>(scratch);
         },
         BFloat16Rows{in_features, in_features}, finish, prefetch);
@@ -414,8 +442,9 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     TORCH_CHECK(rotation_signs->is_contiguous() && rotation_signs->scalar_type() == torch::kFloat &&
                     rotation_signs->numel() == kHadamardBlock && x.size(1) % kHadamardBlock == 0,
                 "linear_int4: rotation signs float32 [64], K a multiple of 64");
-  if (x.size(0) > kInt8ActivationMaxRows)
-    return w.widened_product(rotation_signs ? hadamard_rotate(x, *rotation_signs) : x);
+  const bool tiles = x.size(0) > kInt8ActivationMaxRowsWithAmx && use_amx(x.size(0), w.out_features);
+  if (tiles || x.size(0) > kInt8ActivationMaxRows)
+    return w.widened_product(rotation_signs ? hadamard_rotate(x, *rotation_signs) : x, tiles);
   const Int4Activations activations(
       x, w.padded, group_size, rotation_signs ? rotation_signs->data_ptr<float>() : nullptr);
   return few_rows_product(
@@ -443,7 +472,7 @@ torch::Tensor linear_int4_exact(torch::Tensor x, torch::Tensor codes, torch::Ten
 #if defined(__AVX512BF16__)
   const Int4Weights w(x, codes, scales, mins, 32, bias, "linear_int4_exact");
   TORCH_CHECK(w.padded == x.size(1), "linear_int4_exact: K a multiple of 32, no padding");
-  return w.widened_product(x);
+  return w.widened_product(x, false);
 #else
   TORCH_CHECK(false, "linear_int4_exact: built without AVX-512 BF16");
   return x;

@@ -1,0 +1,232 @@
+// y = x W^T on AMX tiles, for the rows of x past the few-row kernels, on CPUs with AMX-BF16.
+//
+// From a few dozen rows a product is bound by arithmetic, not by the bytes of W: at 32 rows the
+// VDPBF16PS tile of linear_bf16.cpp took 4.6x oneDNN's AMX product on SmolLM2's gate_up, and int8
+// and int4 weights widened for it lost to bf16 at 32 sequences (docs/quantization.md). One
+// TDPBF16PS does 16 x 16 x 32 products where VDPBF16PS does 16 x 2, so widening the codes to
+// bfloat16, which every row of x shares, becomes the main cost.
+//
+// W is the tiles' A operand: rows of outputs as they lie, bfloat16 [outputs, K], so a block of W
+// widened from codes needs no reordering. x is the B operand, laid out once a call in the tiles'
+// pair-interleaved order. A C tile holds 16 outputs for 16 rows of x, and each output's sum runs
+// over K in the same order whatever the number of rows, so a row's result doesn't depend on the
+// rows beside it.
+#include <algorithm>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+constexpr int64_t kTileRows = 16;   // outputs a tile of W and of C; rows of x a tile of x
+constexpr int64_t kTileDepth = 32;  // bfloat16 values of K a tile
+constexpr int64_t kTileElements = kTileRows * kTileDepth;
+constexpr int64_t kBlockOutputs = 2 * kTileRows;  // W rows a block: tiles 4 and 5
+constexpr int64_t kBlockInputs = 2 * kTileRows;   // x rows a pass: tiles 6 and 7
+
+// Linux hands a process the tiles' 8 KB of state only when asked; once is enough for every thread.
+bool amx_permitted() {
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XTILEDATA
+  static const bool permitted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return permitted;
+}
+
+// Every tile 16 rows of 64 bytes: C tiles 0-3 (fp32), W tiles 4-5, x tiles 6-7 (bfloat16 pairs).
+// The configuration is the thread's: oneDNN loads its own before each of its products, so this
+// is loaded before each of ours and released after.
+struct TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+struct Tiles {
+  Tiles() {
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) {
+      config.bytes_per_row[t] = 64;
+      config.rows[t] = kTileRows;
+    }
+    _tile_loadconfig(&config);
+  }
+  Tiles(const Tiles&) = delete;
+  Tiles& operator=(const Tiles&) = delete;
+  ~Tiles() { _tile_release(); }
+};
+
+// rows[c][r] = rows[r][c] for 16 rows of 16 lanes of 32 bits: 4 x 4 within each 128-bit lane,
+// then the 128-bit lanes 4 x 4.
+inline void transpose16x16(__m512 rows[16]) {
+  __m512 pairs[16];
+  for (int i = 0; i < 16; i += 2) {
+    pairs[i] = _mm512_unpacklo_ps(rows[i], rows[i + 1]);
+    pairs[i + 1] = _mm512_unpackhi_ps(rows[i], rows[i + 1]);
+  }
+  __m512 quads[16];  // quads[4 g + j], lane L: rows 4 g..4 g + 3 at column 4 L + j
+  for (int g = 0; g < 16; g += 4) {
+    quads[g] = _mm512_shuffle_ps(pairs[g], pairs[g + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    quads[g + 1] = _mm512_shuffle_ps(pairs[g], pairs[g + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    quads[g + 2] = _mm512_shuffle_ps(pairs[g + 1], pairs[g + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    quads[g + 3] = _mm512_shuffle_ps(pairs[g + 1], pairs[g + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512 low_ab = _mm512_shuffle_f32x4(quads[j], quads[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 high_ab = _mm512_shuffle_f32x4(quads[j], quads[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512 low_cd = _mm512_shuffle_f32x4(quads[8 + j], quads[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 high_cd = _mm512_shuffle_f32x4(quads[8 + j], quads[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
+    rows[j] = _mm512_shuffle_f32x4(low_ab, low_cd, _MM_SHUFFLE(2, 0, 2, 0));
+    rows[4 + j] = _mm512_shuffle_f32x4(low_ab, low_cd, _MM_SHUFFLE(3, 1, 3, 1));
+    rows[8 + j] = _mm512_shuffle_f32x4(high_ab, high_cd, _MM_SHUFFLE(2, 0, 2, 0));
+    rows[12 + j] = _mm512_shuffle_f32x4(high_ab, high_cd, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// x [M, K] bfloat16 -> [ceil(M / 16), K / 32] tiles of 16 pairs of K (rows) by 16 rows of x:
+// element (r, 2 m + j) of tile (b, s) is x[16 b + m, 32 s + 2 r + j]; rows past M are zero.
+std::vector<uint32_t> pair_interleaved(const torch::Tensor& x) {
+  const int64_t rows = x.size(0), steps = x.size(1) / kTileDepth;
+  const int64_t blocks = (rows + kTileRows - 1) / kTileRows;
+  std::vector<uint32_t> out(blocks * steps * kTileElements / 2);
+  const auto* xs = reinterpret_cast<const float*>(x.data_ptr());  // pairs of K, as 32 bits
+  const int64_t pair_stride = x.stride(0) / 2;
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t s = 0; s < steps; ++s) {
+      __m512 tile[kTileRows];
+      for (int64_t m = 0; m < kTileRows; ++m) {
+        const int64_t row = b * kTileRows + m;
+        tile[m] = row < rows ? _mm512_loadu_ps(xs + row * pair_stride + s * kTileRows)
+                             : _mm512_setzero_ps();
+      }
+      transpose16x16(tile);
+      float* to = reinterpret_cast<float*>(out.data()) + (b * steps + s) * kTileElements / 2;
+      for (int64_t r = 0; r < kTileRows; ++r) _mm512_storeu_ps(to + r * kTileRows, tile[r]);
+    }
+  return out;
+}
+
+// One block of W (kBlockOutputs rows from w, w_stride apart, or NW = 1 tile of them) by NX tiles
+// of x (16 rows each) from `x_tiles`, into sums [NW * 16 outputs][NX * 16 rows of x].
+template <int NW, int NX>
+inline void amx_block(const uint16_t* w, int64_t w_stride, const uint32_t* x_tiles,
+                      int64_t x_block_stride, int64_t steps, float* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint16_t* ws = w + s * kTileDepth;
+    const uint32_t* xs = x_tiles + s * kTileElements / 2;
+    _tile_loadd(4, ws, w_stride * 2);
+    _tile_loadd(6, xs, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NX == 2) {
+      _tile_loadd(7, xs + x_block_stride, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (NW == 2) {
+      _tile_loadd(5, ws + kTileRows * w_stride, w_stride * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NX == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  // sums [outputs][rows of x], kBlockInputs floats a row of outputs.
+  constexpr int64_t stride = kBlockInputs * sizeof(float);
+  _tile_stored(0, sums, stride);
+  if constexpr (NX == 2) _tile_stored(1, sums + kTileRows, stride);
+  if constexpr (NW == 2) {
+    _tile_stored(2, sums + kTileRows * kBlockInputs, stride);
+    if constexpr (NX == 2) _tile_stored(3, sums + kTileRows * kBlockInputs + kTileRows, stride);
+  }
+}
+
+// out[m][n] = dot(x row m, W row n) * row_scales[n] + bias[n] for bfloat16 x [M, K] (K a
+// multiple of 32) and a W of out_features rows (a multiple of 16); row_scales and bias may be
+// null. `rows_at(n0, rows, scratch)` locates `rows` rows of W from n0 as bfloat16 (decoding them
+// into `scratch`, kBlockOutputs * w_stride elements a thread), once for all of x's rows.
+template <typename RowsAt>
+torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t w_stride,
+                          bool needs_scratch, RowsAt rows_at, const float* row_scales,
+                          const c10::BFloat16* bias) {
+  const int64_t rows = x.size(0), steps = x.size(1) / kTileDepth;
+  const int64_t x_blocks = (rows + kTileRows - 1) / kTileRows;
+  const std::vector<uint32_t> x_tiles = pair_interleaved(x);
+  const int64_t x_block_stride = steps * kTileElements / 2;
+  auto out = torch::empty({rows, out_features}, x.options());
+  auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t w_blocks = (out_features + kBlockOutputs - 1) / kBlockOutputs;
+  at::parallel_for(0, w_blocks, 1, [&](int64_t begin, int64_t end) {
+    const Tiles tiles;
+    std::vector<uint16_t> scratch(needs_scratch ? kBlockOutputs * w_stride : 0);
+    alignas(64) float sums[kBlockOutputs * kBlockInputs];
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t n0 = block * kBlockOutputs;
+      const int64_t outputs = std::min(kBlockOutputs, out_features - n0);
+      const uint16_t* w = rows_at(n0, outputs, scratch.data());
+      for (int64_t xb = 0; xb < x_blocks; xb += 2) {
+        const uint32_t* xs = x_tiles.data() + xb * x_block_stride;
+        const bool two_x = xb + 1 < x_blocks;
+        if (outputs == kBlockOutputs) {
+          if (two_x) amx_block<2, 2>(w, w_stride, xs, x_block_stride, steps, sums);
+          else amx_block<2, 1>(w, w_stride, xs, x_block_stride, steps, sums);
+        } else {
+          if (two_x) amx_block<1, 2>(w, w_stride, xs, x_block_stride, steps, sums);
+          else amx_block<1, 1>(w, w_stride, xs, x_block_stride, steps, sums);
+        }
+        // Each 16 x 16 of sums [outputs][rows of x] turned to [rows of x][outputs], finished
+        // and rounded 16 outputs at a time.
+        for (int64_t nt = 0; nt < outputs; nt += kTileRows) {
+          const int64_t n = n0 + nt;
+          const __m512 scale = row_scales ? _mm512_loadu_ps(row_scales + n) : _mm512_set1_ps(1.f);
+          const __m512 shift = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n))), 16))
+                                    : _mm512_setzero_ps();
+          for (int64_t mt = 0; mt < kBlockInputs && (xb * kTileRows + mt) < rows; mt += kTileRows) {
+            __m512 tile[kTileRows];
+            for (int64_t r = 0; r < kTileRows; ++r)
+              tile[r] = _mm512_load_ps(sums + (nt + r) * kBlockInputs + mt);
+            transpose16x16(tile);
+            const int64_t m0 = xb * kTileRows + mt;
+            for (int64_t m = 0; m < std::min(kTileRows, rows - m0); ++m) {
+              __m512 value = tile[m];
+              if (row_scales) value = _mm512_mul_ps(value, scale);
+              value = _mm512_add_ps(value, shift);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(ys + (m0 + m) * out_features + n),
+                                  (__m256i)_mm512_cvtneps_pbh(value));
+            }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+#endif
+
+// Whether a product of `rows` rows of x by a W of `out_features` rows runs amx_product: from
+// kAmxMinRows rows, where it beat int8's few-row tiles (SmolLM2's gate_up: 106 against 132 us at
+// 4 rows; lm_head 1520 against 2270; benchmarks/bench_quant_kernels.py).
+constexpr int64_t kAmxMinRows = 4;
+inline bool use_amx(int64_t rows, int64_t out_features) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return rows >= kAmxMinRows && out_features % kTileRows == 0 && amx_permitted();
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+// Whether amx_product can run here: AMX-BF16 compiled in and the kernel allowed the tiles.
+bool amx_available() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
