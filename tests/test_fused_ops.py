@@ -87,16 +87,18 @@ def test_kv_cache_write_matches_index_copy(dtype):
                     reason="no AVX-512 BF16 here")
 @pytest.mark.parametrize("in_features", [576, 100])  # whole 32-wide chunks, and a masked tail
 def test_few_rows_bf16_linear(in_features):
-    """Close to the float product; a row's result doesn't depend on the rows beside it; Linear
-    takes the kernel up to FEW_ROWS_MAX rows."""
+    """Close to the float product; a row's result doesn't depend on the rows beside it on one
+    path (with AMX: VDPBF16PS tiles up to 2 rows, AMX tiles from 3); Linear takes the kernel up
+    to FEW_ROWS_MAX rows."""
     torch.manual_seed(4)
     weight, bias = torch.randn(96, in_features).bfloat16(), torch.randn(96).bfloat16()
     x = torch.randn(layers.FEW_ROWS_MAX, in_features).bfloat16()
     out = cpu_kernels().linear_bf16(x, weight, bias)
     expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
     torch.testing.assert_close(out.float(), expected, atol=0.05, rtol=2 ** -7)
-    for rows in (1, 3, 5):
-        assert torch.equal(cpu_kernels().linear_bf16(x[:rows], weight, bias), out[:rows])
+    for rows, more in ((1, 2), (3, layers.FEW_ROWS_MAX), (17, layers.FEW_ROWS_MAX)):
+        assert torch.equal(cpu_kernels().linear_bf16(x[:rows], weight, bias),
+                           cpu_kernels().linear_bf16(x[:more], weight, bias)[:rows])
     linear = layers.Linear(weight, bias)
     assert linear.few_rows_kernel
     assert torch.equal(linear(x), out)

@@ -11,10 +11,14 @@
 // pair-interleaved order. A C tile holds 16 outputs for 16 rows of x, and each output's sum runs
 // over K in the same order whatever the number of rows, so a row's result doesn't depend on the
 // rows beside it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -209,9 +213,10 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
 #endif
 
 // Whether a product of `rows` rows of x by a W of `out_features` rows runs amx_product: from
-// kAmxMinRows rows, where it beat int8's few-row tiles (SmolLM2's gate_up: 106 against 132 us at
-// 4 rows; lm_head 1520 against 2270; benchmarks/bench_quant_kernels.py).
-constexpr int64_t kAmxMinRows = 4;
+// kAmxMinRows rows, where it beat the few-row tiles (bf16: FEW_ROWS_MAX in model/layers.py; int8:
+// SmolLM2's gate_up 106 against 132 us at 4 rows, the lm_head 1520 against 2270;
+// benchmarks/bench_linear.py, bench_quant_kernels.py).
+constexpr int64_t kAmxMinRows = 3;
 inline bool use_amx(int64_t rows, int64_t out_features) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   return rows >= kAmxMinRows && out_features % kTileRows == 0 && amx_permitted();

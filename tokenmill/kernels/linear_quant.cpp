@@ -384,6 +384,18 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     prefetch_bytes(cs + n0 * in_features, kWeightRows * in_features);
   };
   if (groups > 1) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (use_amx(x.size(0), out_features))  // as linear_bf16 multiplies the de-quantized W
+      return amx_product(
+          x, out_features, in_features, true,
+          [&](int64_t n0, int64_t count, uint16_t* scratch) {
+            for (int64_t r = 0; r < count; r += kWeightRows)
+              widen_scaled_int8_rows(cs + (n0 + r) * in_features, ss + (n0 + r) * groups,
+                                     in_features, in_features / groups, scratch + r * in_features);
+            return static_cast<const uint16_t*>(scratch);
+          },
+          nullptr, b.values);
+#endif
     return few_rows_product(
         x, out_features, kWeightRows * in_features,
         [&](int64_t n0, uint16_t* scratch) {
@@ -472,7 +484,7 @@ torch::Tensor linear_int4_exact(torch::Tensor x, torch::Tensor codes, torch::Ten
 #if defined(__AVX512BF16__)
   const Int4Weights w(x, codes, scales, mins, 32, bias, "linear_int4_exact");
   TORCH_CHECK(w.padded == x.size(1), "linear_int4_exact: K a multiple of 32, no padding");
-  return w.widened_product(x, false);
+  return w.widened_product(x, use_amx(x.size(0), w.out_features));  // as linear_bf16 does
 #else
   TORCH_CHECK(false, "linear_int4_exact: built without AVX-512 BF16");
   return x;

@@ -97,15 +97,16 @@ def float_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 PACKED_ROWS_HINT = 64
 
 
-# Rows of x up to which the AVX-512 BF16 kernel (kernels/linear_bf16.cpp) runs instead of oneDNN,
+# Rows of x up to which tokenmill's kernel (kernels/linear_bf16.cpp) runs instead of oneDNN,
 # measured by benchmarks/bench_linear.py. Without AMX (results/linear_bf16.json, against F.linear
 # before W was packed): 1.8 to 5.9x faster at one row; at 32, 1.17 to 1.42x on the layers' shapes
-# and 0.96x on the lm_head; from 48 to 64 rows 0.84 to 1.27x. With AMX oneDNN multiplies on AMX
-# tiles (results/linear_bf16-amx.json): the kernel beats the packed product on every shape at one
-# row (1.08 to 3.0x) and on the layers' shapes at two (1.10 to 2.0x; the lm_head 0.90x), and from
-# 4 rows loses most of them.
+# and 0.96x on the lm_head; from 48 to 64 rows 0.84 to 1.27x. With AMX the kernel runs up to 2
+# rows on VDPBF16PS and from 3 on AMX tiles (kernels/linear_amx.cpp), where oneDNN multiplies on
+# AMX tiles too (results/linear_bf16-amx-tiles.json, against the packed product): 1.5 to 2.2x
+# the packed product from 4 to 16 rows on the layers' shapes (the lm_head 1.05 to 1.14x), 1.2 to
+# 1.3x at 32, 1.0x at 64 (the lm_head 0.88x), and from 128 rows it loses.
 # gguf's exact layers (quant/gguf.py) take their codes to the same kernel up to here.
-FEW_ROWS_MAX = 2 if cpu_has_amx() else 32
+FEW_ROWS_MAX = 64 if cpu_has_amx() else 32
 
 
 def _few_rows_kernel(weight: torch.Tensor) -> bool:
