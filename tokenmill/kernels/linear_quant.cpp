@@ -3,12 +3,12 @@
 //
 // Decode streams every weight once a step and is bound by memory, so fewer bytes a weight is
 // the whole gain, as long as unpacking the codes costs less than the bytes saved. int8: up to
-// four rows of x, the codes of four rows of W are widened to bfloat16 in registers, never stored,
-// and multiplied with VDPBF16PS as in linear_bf16.cpp; with more rows of x, each block of four
-// rows of W is widened once into a buffer that stays in L1 and linear_bf16.cpp's tile multiplies
-// it by every four rows of x; the codes are exact in bfloat16 and the row's scale multiplies the
-// sum. int4: widening its codes bounded the product on two cores, so at a few rows x is quantized
-// to int8 codes instead and multiplied with VPDPBUSD (below).
+// four rows of x, x is quantized to int16 codes and multiplied with the weight codes by VPDPWSSD
+// in registers (below); with more rows of x, each block of four rows of W is widened to bfloat16
+// once into a buffer that stays in L1 and linear_bf16.cpp's tile multiplies it by every four rows
+// of x (the codes are exact in bfloat16 and the row's scale multiplies the sum), or, with AMX,
+// linear_amx.cpp's tiles. int4: widening its codes bounded the product on two cores, so at a few
+// rows x is quantized to int8 codes instead and multiplied with VPDPBUSD (below).
 
 #include <algorithm>
 #include <cmath>
@@ -27,23 +27,64 @@ inline __m512bh widen_int8(const int8_t* codes) {
   return _mm512_cvtne2ps_pbh(high, low);
 }
 
-// sums[m][n] = dot(x row m, codes row n) for MT rows of x and kWeightRows int8 rows (K a multiple
-// of 32), the codes widened in registers.
-template <int MT>
-inline void int8_tile(const uint16_t* x, int64_t x_stride, const int8_t* codes,
-                      int64_t in_features, float out[kInputRows][kWeightRows]) {
-  __m512 acc[MT][kWeightRows];
-  for (int m = 0; m < MT; ++m)
-    for (int n = 0; n < kWeightRows; ++n) acc[m][n] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < in_features; k += 32) {
-    __m512i xs[MT];
-    for (int m = 0; m < MT; ++m) xs[m] = _mm512_loadu_si512(x + m * x_stride + k);
-    for (int n = 0; n < kWeightRows; ++n) {
-      const __m512bh w = widen_int8(codes + n * in_features + k);
-      for (int m = 0; m < MT; ++m) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)xs[m], w);
+// Up to kInputRows rows, x meets the int8 codes as int16 codes: VPDPWSSD multiplies 32 codes of
+// W, sign-extended to 16 bits by one instruction, by 32 of x into 16 int32 lanes, where widening
+// them to bfloat16 for VDPBF16PS took five, and bounded the one-row product on the AMX machine (in
+// cache, one thread, SmolLM2's down_proj: 56 us, int4's 22). Each row of x gets one scale,
+// max |x| / q, with q (at most 32767) as large as keeps every int32 sum exact
+// (K * 127 * q < 2^31): a row's product is exact but for x's rounding to q levels, at most
+// max |x| / 2q a value (2^-16 to 2^-13 of the largest for K up to 4864), far below the output's
+// bfloat16 rounding. Each row is quantized on its own: its result doesn't depend on the others.
+struct Int16Activations {
+  std::vector<int16_t> codes;  // [M, K]
+  std::vector<float> scales;   // [M]
+
+  explicit Int16Activations(const torch::Tensor& x)
+      : codes(x.size(0) * x.size(1)), scales(x.size(0)) {
+    const int64_t in_features = x.size(1);
+    const float levels = std::min(32767.0, std::floor(2147483647.0 / (127.0 * in_features)));
+    const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    const auto load = [](const uint16_t* at) {  // 16 bfloat16 as float32
+      return _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))), 16));
+    };
+    for (int64_t m = 0; m < x.size(0); ++m) {
+      const uint16_t* row = xs + m * x.stride(0);
+      __m512 largest = _mm512_setzero_ps();
+      for (int64_t k = 0; k < in_features; k += 16)
+        largest = _mm512_max_ps(largest, _mm512_abs_ps(load(row + k)));
+      const float biggest = _mm512_reduce_max_ps(largest);
+      const __m512 inverse = _mm512_set1_ps(biggest > 0.f ? levels / biggest : 0.f);
+      for (int64_t k = 0; k < in_features; k += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes.data() + m * in_features + k),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(
+                                _mm512_mul_ps(load(row + k), inverse))));
+      scales[m] = biggest / levels;
     }
   }
-  for (int m = 0; m < MT; ++m) store_sums(acc[m], out[m]);
+};
+
+// sums[m][n] = dot(x row m, codes row n) for MT rows of x's int16 codes (from row m0) and
+// kWeightRows int8 rows (K a multiple of 32), scaled back by x's row scales.
+template <int MT>
+inline void int8_tile(const Int16Activations& a, int64_t m0, const int8_t* codes,
+                      int64_t in_features, float out[kInputRows][kWeightRows]) {
+  __m512i acc[MT][kWeightRows];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < kWeightRows; ++n) acc[m][n] = _mm512_setzero_si512();
+  const int16_t* xq = a.codes.data() + m0 * in_features;
+  for (int64_t k = 0; k < in_features; k += 32) {
+    __m512i xs[MT];
+    for (int m = 0; m < MT; ++m) xs[m] = _mm512_loadu_si512(xq + m * in_features + k);
+    for (int n = 0; n < kWeightRows; ++n) {
+      const __m512i w = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + n * in_features + k)));
+      for (int m = 0; m < MT; ++m) acc[m][n] = _mm512_dpwssd_epi32(acc[m][n], xs[m], w);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < kWeightRows; ++n)
+      out[m][n] = static_cast<float>(_mm512_reduce_add_epi32(acc[m][n])) * a.scales[m0 + m];
 }
 
 // `rows` int8 rows -> bfloat16 [rows, K] in `out`.
@@ -320,9 +361,11 @@ struct Int4Weights {
 
   auto prefetch() const {
     return [this](int64_t n0) {
-      prefetch_bytes(codes + n0 * padded / 2, kWeightRows * padded / 2);
-      prefetch_bytes(scales + n0 * groups, kWeightRows * groups * sizeof(float));
-      prefetch_bytes(mins + n0 * groups, kWeightRows * groups * sizeof(float));
+      // The next two blocks' codes: a block of int4 rows is read faster than memory answers.
+      // Asking for the scales and mins too slowed the one-row product by a quarter
+      // (576 x 1536 from memory: 50 us a call, 39 without them, 40 with two blocks of codes;
+      // 3072 x 576: 83, 79, 68).
+      prefetch_bytes(codes + n0 * padded / 2, 2 * kWeightRows * padded / 2);
     };
   }
 
@@ -381,7 +424,8 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const float* ss = scales.data_ptr<float>();
   const Bias b(bias);
   const auto prefetch = [&](int64_t n0) {
-    prefetch_bytes(cs + n0 * in_features, kWeightRows * in_features);
+    // Two blocks: 3072 x 576 from memory at one row, 129 -> 111 us a call (576 x 1536 unchanged).
+    prefetch_bytes(cs + n0 * in_features, 2 * kWeightRows * in_features);
   };
   if (groups > 1) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -426,11 +470,12 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
         },
         BFloat16Rows{in_features, in_features}, finish, prefetch);
   }
+  const Int16Activations activations(x);
   return few_rows_product(
       x, out_features, 0, [&](int64_t n0, uint16_t*) { return cs + n0 * in_features; },
-      [&](auto mt, const int8_t* rows, const uint16_t* xm, int64_t x_stride, int64_t,
+      [&](auto mt, const int8_t* rows, const uint16_t*, int64_t, int64_t m0,
           float sums[kInputRows][kWeightRows]) {
-        int8_tile<decltype(mt)::value>(xm, x_stride, rows, in_features, sums);
+        int8_tile<decltype(mt)::value>(activations, m0, rows, in_features, sums);
       },
       finish, prefetch);
 #else
