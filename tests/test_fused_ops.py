@@ -119,3 +119,17 @@ def test_bf16_linear_beyond_few_rows_multiplies_a_packed_copy():
         torch.testing.assert_close(linear(x).float(), expected, atol=0.05, rtol=2 ** -7)
     assert linear.packed is not None and linear.decode_product().tensors[1] is linear.packed
     assert layers.Linear(weight.float()).packed is None  # float32 keeps F.linear
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="no C++ compiler here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_gives_torch_argmax_first_index_on_ties(dtype):
+    generator = torch.Generator().manual_seed(6)
+    for n in (7, 16, 100, 49152):  # the scalar tail alone, one vector, vectors and a tail
+        logits = torch.randn(5, n, generator=generator).to(dtype)
+        logits[1] = 0.5  # every value tied: the first
+        logits[2, n // 3] = logits[2, n - 1] = 10.0  # tied maxima in a lane and in the tail
+        logits[3, n - 1] = 10.0  # the maximum in the tail
+        assert torch.equal(cpu_kernels().argmax_rows(logits), logits.argmax(dim=-1))
+    wide = torch.randn(4, 64, generator=generator).to(dtype)[:, :50]  # rows strided, not packed
+    assert torch.equal(cpu_kernels().argmax_rows(wide), wide.argmax(dim=-1))
