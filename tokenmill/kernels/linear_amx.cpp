@@ -212,26 +212,19 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
 }
 #endif
 
-// Whether a product of `rows` rows of x by a W of `out_features` rows runs amx_product: from
+// Whether a product of `rows` rows of x by a W [out_features, in_features] runs amx_product (the
+// one test for bf16 and for gguf's widened codes, whose exactness needs them to agree): from
 // kAmxMinRows rows, where it beat the few-row tiles (bf16: FEW_ROWS_MAX in model/layers.py; int8:
 // SmolLM2's gate_up 106 against 132 us at 4 rows, the lm_head 1520 against 2270;
 // benchmarks/bench_linear.py, bench_quant_kernels.py).
 constexpr int64_t kAmxMinRows = 3;
-inline bool use_amx(int64_t rows, int64_t out_features) {
+inline bool use_amx(int64_t rows, int64_t out_features, int64_t in_features) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  return rows >= kAmxMinRows && out_features % kTileRows == 0 && amx_permitted();
+  return rows >= kAmxMinRows && out_features % kTileRows == 0 &&
+         in_features % kTileDepth == 0 && amx_permitted();
 #else
   return false;
 #endif
 }
 
 }  // namespace
-
-// Whether amx_product can run here: AMX-BF16 compiled in and the kernel allowed the tiles.
-bool amx_available() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  return amx_permitted();
-#else
-  return false;
-#endif
-}

@@ -160,7 +160,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
   const Bias b(bias);
   const int64_t in_features = x.size(1);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (use_amx(x.size(0), weight.size(0)) && in_features % kTileDepth == 0)
+  if (use_amx(x.size(0), weight.size(0), in_features))
     return amx_product(
         x, weight.size(0), in_features, false,
         [&](int64_t n0, int64_t, uint16_t*) { return ws + n0 * in_features; }, nullptr,

@@ -429,7 +429,8 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   };
   if (groups > 1) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (use_amx(x.size(0), out_features))  // as linear_bf16 multiplies the de-quantized W
+    // as linear_bf16 multiplies the de-quantized W
+    if (use_amx(x.size(0), out_features, in_features))
       return amx_product(
           x, out_features, in_features, true,
           [&](int64_t n0, int64_t count, uint16_t* scratch) {
@@ -452,7 +453,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   }
   const auto finish = [&](int64_t n, float sum) { return sum * ss[n] + b[n]; };
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (use_amx(x.size(0), out_features))
+  if (use_amx(x.size(0), out_features, in_features))
     return amx_product(
         x, out_features, in_features, true,
         [&](int64_t n0, int64_t count, uint16_t* scratch) {
@@ -499,7 +500,8 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     TORCH_CHECK(rotation_signs->is_contiguous() && rotation_signs->scalar_type() == torch::kFloat &&
                     rotation_signs->numel() == kHadamardBlock && x.size(1) % kHadamardBlock == 0,
                 "linear_int4: rotation signs float32 [64], K a multiple of 64");
-  const bool tiles = x.size(0) > kInt8ActivationMaxRowsWithAmx && use_amx(x.size(0), w.out_features);
+  const bool tiles = x.size(0) > kInt8ActivationMaxRowsWithAmx &&
+                     use_amx(x.size(0), w.out_features, w.padded);
   if (tiles || x.size(0) > kInt8ActivationMaxRows)
     return w.widened_product(rotation_signs ? hadamard_rotate(x, *rotation_signs) : x, tiles);
   const Int4Activations activations(
@@ -529,7 +531,7 @@ torch::Tensor linear_int4_exact(torch::Tensor x, torch::Tensor codes, torch::Ten
 #if defined(__AVX512BF16__)
   const Int4Weights w(x, codes, scales, mins, 32, bias, "linear_int4_exact");
   TORCH_CHECK(w.padded == x.size(1), "linear_int4_exact: K a multiple of 32, no padding");
-  return w.widened_product(x, use_amx(x.size(0), w.out_features));  // as linear_bf16 does
+  return w.widened_product(x, use_amx(x.size(0), w.out_features, w.padded));  // as linear_bf16 does
 #else
   TORCH_CHECK(false, "linear_int4_exact: built without AVX-512 BF16");
   return x;
