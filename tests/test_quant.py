@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as GGMLType
 from tests.prompts import SYSTEM_PROMPT, varied_prompts
 from tokenmill import EngineConfig, SamplingParams
 from tokenmill.kernels import cpu_has_amx
-from tokenmill.model.layers import FEW_ROWS_MAX, Linear
+from tokenmill.model.layers import FEW_ROWS_MAX, PACKED_MAX_ROWS, Linear
 from tokenmill.model.loader import GGUFBlocks
 from tokenmill.quant.gguf import gguf_linear
 from tokenmill.quant.int4 import Int4Linear
@@ -306,7 +306,8 @@ def test_gguf_blocks_map_exactly(types: tuple[GGMLType, ...]) -> None:
                                    (GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q4_1)])
 def test_gguf_layers_in_bfloat16_give_the_float_layers_numbers(types: tuple[GGMLType, ...]) -> None:
     """Where the bf16 float model multiplies by linear_bf16, the exact kernels widen the codes to
-    its weights and sum as it does; past FEW_ROWS_MAX both run F.linear."""
+    its weights and sum as it does; past FEW_ROWS_MAX both run float_product (oneDNN's packed
+    product, F.linear past PACKED_MAX_ROWS)."""
     rng = np.random.default_rng(1)
     parts = [((rng.standard_normal((32, 192)) * 0.1).astype(np.float32), t) for t in types]
     bias = torch.randn(32 * len(types)).bfloat16()
@@ -315,7 +316,8 @@ def test_gguf_layers_in_bfloat16_give_the_float_layers_numbers(types: tuple[GGML
     float_layer = Linear(dequantized(parts).bfloat16(), bias)
     if float_layer.few_rows_kernel:
         assert layer.packed_max_rows == FEW_ROWS_MAX
-    for rows in (1, 3, 4, 5, FEW_ROWS_MAX, FEW_ROWS_MAX + 1, 40):
+    for rows in (1, 3, 4, 5, FEW_ROWS_MAX, FEW_ROWS_MAX + 1, 40, PACKED_MAX_ROWS,
+                 PACKED_MAX_ROWS + 1, 2 * PACKED_MAX_ROWS + 3):
         x = torch.randn(rows, 192).bfloat16()
         assert torch.equal(layer(x), float_layer(x)), rows
 

@@ -58,7 +58,8 @@ class Linear(nn.Module):
         """This product in the C++ decode stack, which chooses as forward does."""
         if self.packed is not None:
             few_rows = FEW_ROWS_MAX if self.few_rows_kernel else 0
-            return DecodeProduct(BFLOAT16, (self.weight, self.packed), self.bias, param=few_rows)
+            return DecodeProduct(BFLOAT16, (self.weight, self.packed), self.bias, param=few_rows,
+                                 max_rows=PACKED_MAX_ROWS)
         return DecodeProduct(TORCH_LINEAR, (self.weight,), self.bias)
 
 
@@ -81,14 +82,23 @@ def packed_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 def float_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b past the few-row kernel: packed_bf16 for 2-D bfloat16 x where W packs (on
-    `packed`, or on W packed for this call), else F.linear. `Linear` and the de-quantize path of
-    the quantized layers both multiply here, so gguf's layers give the float model's numbers on
-    the same W (F.linear gave packed_bf16's sums at the row counts tried, but nothing promises
-    it)."""
-    if x.dtype == torch.bfloat16 and x.dim() == 2 and packs_bf16(weight):
+    """x W^T + b past the few-row kernel: packed_bf16 for 2-D bfloat16 x of up to
+    PACKED_MAX_ROWS rows where W packs (on `packed`, or on W packed for this call), else F.linear.
+    `Linear` and the de-quantize path of the quantized layers both multiply here, so gguf's
+    layers give the float model's numbers on the same W (F.linear gave packed_bf16's sums at the
+    row counts tried, but nothing promises it)."""
+    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS \
+            and packs_bf16(weight):
         return packed_bf16(x, pack_bf16(weight) if packed is None else packed, bias)
     return F.linear(x, weight, bias)
+
+
+# Rows of x past which F.linear multiplies instead of packed_bf16: there oneDNN's own reorder of W
+# costs little beside the product, and it matched the packed product (SmolLM2's four products at
+# 512 rows 1.57 against 1.76 ms, at 2,048 5.1 against 4.9), while a W de-quantized for the call
+# (quant/linear.py) skips packing it, 0.2 to 0.4 ms a product (benchmarks/bench_quant_kernels.py,
+# results/quant_kernels-amx-flinear.json).
+PACKED_MAX_ROWS = 256
 
 
 # The row count oneDNN lays W out for. Hints of 1, 16 and 64 tried at 8 to 2048 rows on the AMX
