@@ -52,6 +52,9 @@ def test_the_cpu_dequantize_kernels_give_the_pytorch_paths_numbers(dtype: torch.
         assert torch.equal(layer.dequantize_padded(dtype=dtype), expected.to(dtype))
         assert torch.equal(layer.dequantize_padded(slice(8, 24), dtype), expected[8:24].to(dtype))
         assert torch.equal(layer.dequantize(rows, dtype), expected[rows, :576].to(dtype))
+        # into a W without its padding columns (the kernel drops them; PyTorch's path keeps them)
+        narrow = layer.dequantize_padded(dtype=dtype, out=torch.empty(48, 576, dtype=dtype))
+        assert torch.equal(narrow[:, :576], expected[:, :576].to(dtype))
     for group_size in (576, 32):  # int8 mode's one scale a row; GGUF Q8_0's groups of 32
         codes = torch.randint(-127, 128, (48, 576), dtype=torch.int8)
         scales = torch.rand(48, 576 // group_size) * 0.01
@@ -199,6 +202,11 @@ def test_dequantize_path_in_slices_equals_one_float_gemm() -> None:
     for rows in (1, 64):
         x = torch.randn(rows, 576)
         assert torch.equal(layer(x), F.linear(x, layer.dequantize(), layer.bias))
+    # int4 padded to whole groups (576 -> 640): the padding is left out of the product
+    layer = Int4Linear.quantize(random_weight(96, 576), 128, torch.randn(96), DEQUANTIZE)
+    assert layer.padded_in_features == 640
+    x = torch.randn(7, 576)
+    assert torch.equal(layer(x), F.linear(x, layer.dequantize(), layer.bias))
 
 
 def test_always_packed_int4_keeps_one_copy_of_its_codes() -> None:

@@ -538,10 +538,11 @@ torch::Tensor linear_int4_exact(torch::Tensor x, torch::Tensor codes, torch::Ten
 #endif
 }
 
-// Writes W into `out` [R, P] (float32, bfloat16 or float16, contiguous) from int4 codes [R, P / 2]
-// (the layout above), scales and mins float32 [R, P / group_size]: code * scale, then + min, each
-// rounded to float32 as Int4Linear.dequantize_padded's PyTorch path does, then once to out's
-// dtype. One pass, for the de-quantize + GEMM path, where the PyTorch ops took five.
+// Writes W into `out` [R, C] (float32, bfloat16 or float16, contiguous; C <= P, the columns past
+// C dropped: the padding a product can skip) from int4 codes [R, P / 2] (the layout above),
+// scales and mins float32 [R, P / group_size]: code * scale, then + min, each rounded to float32
+// as Int4Linear.dequantize_padded's PyTorch path does, then once to out's dtype. One pass, for
+// the de-quantize + GEMM path, where the PyTorch ops took five.
 void dequantize_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins,
                      int64_t group_size, torch::Tensor out) {
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == torch::kByte &&
@@ -552,8 +553,9 @@ void dequantize_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor mi
     TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat &&
                     t.numel() == rows * groups,
                 "dequantize_int4: scales and mins [R, P / group_size] float32");
-  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == rows &&
-                  out.size(1) == padded, "dequantize_int4: out [R, P] contiguous");
+  const int64_t width = out.size(-1);
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == rows && width <= padded,
+              "dequantize_int4: out [R, C] contiguous, C at most P");
   const uint8_t* cs = codes.data_ptr<uint8_t>();
   const float* ss = scales.data_ptr<float>();
   const float* ms = mins.data_ptr<float>();
@@ -562,15 +564,16 @@ void dequantize_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor mi
     scalar_t* os = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {  // r: one group of one row
+        const int64_t first = (r % groups) * group_size;  // the group's first column
+        if (first >= width) continue;
         const uint8_t* bytes = cs + r * half;
-        scalar_t* values = os + r * group_size;
+        scalar_t* values = os + (r / groups) * width + first;
         const float scale = ss[r], min = ms[r];
-        for (int64_t i = 0; i < half; ++i) {
-          const float low = static_cast<float>(bytes[i] & 0x0F) * scale;
-          const float high = static_cast<float>(bytes[i] >> 4) * scale;
-          values[i] = static_cast<scalar_t>(low + min);
-          values[i + half] = static_cast<scalar_t>(high + min);
-        }
+        const int64_t count = std::min(group_size, width - first);
+        for (int64_t i = 0; i < std::min(half, count); ++i)
+          values[i] = static_cast<scalar_t>(static_cast<float>(bytes[i] & 0x0F) * scale + min);
+        for (int64_t i = half; i < count; ++i)
+          values[i] = static_cast<scalar_t>(static_cast<float>(bytes[i - half] >> 4) * scale + min);
       }
     });
   });

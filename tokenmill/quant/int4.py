@@ -106,7 +106,7 @@ class Int4Linear(QuantizedLinear):
             kernels.dequantize_int4(codes.reshape(-1, codes.shape[-1]),
                                     scales.reshape(-1, scales.shape[-1]).contiguous(),
                                     mins.reshape(-1, mins.shape[-1]).contiguous(),
-                                    self.group_size, out.view(-1, self.padded_in_features))
+                                    self.group_size, out.view(-1, out.shape[-1]))
             return out
         # Multiply, then add, as the loader's Q4_1 decoder does; in place, as each pass over the
         # matrix costs as much as the GEMM at one row (torch.addcmul would round differently,
