@@ -12,7 +12,7 @@ from tests.test_tensor_parallel import greedy_tokens, tiny_prompts, write_tiny_m
 from tokenmill import LLM, EngineConfig
 from tokenmill.eval.configs import parse_config
 from tokenmill.quant.gptq import Hessian, gptq_levels
-from tokenmill.quant.int4 import Int4Linear, pack_levels
+from tokenmill.quant.int4 import Int4Linear, group_widths, pack_levels
 
 
 def correlated_inputs(rows: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -30,7 +30,8 @@ def gptq_layer(weight: torch.Tensor, x: torch.Tensor, group_size: int,
     hessian = Hessian(weight.shape[1], weight.device)
     hessian.add(x)
     levels, scales, mins = gptq_levels(weight, hessian.matrix, group_size, act_order)
-    return Int4Linear(pack_levels(levels, group_size), scales, mins, weight.shape[1], None,
+    return Int4Linear(pack_levels(levels, group_size, weight.shape[1]), scales, mins,
+                      weight.shape[1], None,
                       weight.dtype)
 
 
@@ -48,15 +49,14 @@ def test_gptq_writes_the_int4_format(group_size: int, act_order: bool) -> None:
     weight = torch.randn(48, 576, generator=torch.Generator().manual_seed(1)) * 0.05
     weight[0] = 0.0  # a zero row stays exactly zero: no error to spread
     layer = gptq_layer(weight, correlated_inputs(512, 576), group_size, act_order)
-    padded = -(-576 // group_size) * group_size  # 576 inputs in groups of 128: padded to 640
-    assert layer.codes.dtype == torch.uint8 and layer.codes.shape == (48, padded // 2)
-    assert layer.scales.shape == layer.mins.shape == (48, padded // group_size)
+    widths = group_widths(576, group_size)  # in groups of 128: four, then one of 64
+    assert layer.codes.dtype == torch.uint8 and layer.codes.shape == (48, sum(widths) // 2)
+    assert layer.scales.shape == layer.mins.shape == (48, len(widths)) and sum(widths) == 576
     assert (layer.scales >= 0).all()
-    codes = layer.unpacked_codes().flatten(1)
-    assert codes.max() <= 15 and (codes[:, 576:] == 0).all()
-    restored = layer.dequantize_padded().view(48, -1, group_size)
-    low = layer.mins.unsqueeze(-1)
-    high = low + 15 * layer.scales.unsqueeze(-1)
+    assert layer.unpacked_codes().max() <= 15
+    restored = layer.dequantize_padded()
+    low = layer.mins.repeat_interleave(torch.tensor(widths), dim=1)
+    high = low + 15 * layer.scales.repeat_interleave(torch.tensor(widths), dim=1)
     assert ((restored >= low - 1e-6) & (restored <= high + 1e-6)).all()
     assert torch.equal(layer.dequantize()[0], weight[0])
 

@@ -20,7 +20,7 @@ from tokenmill.kernels import cpu_has_amx
 from tokenmill.model.layers import FEW_ROWS_MAX, PACKED_MAX_ROWS, Linear
 from tokenmill.model.loader import GGUFBlocks
 from tokenmill.quant.gguf import gguf_linear
-from tokenmill.quant.int4 import Int4Linear
+from tokenmill.quant.int4 import Int4Linear, group_widths
 from tokenmill.quant.int8 import Int8Linear
 from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedEmbedding, QuantizedLinear, own_kernels
 from tokenmill.quant.rotation import rotation_matrix, rotate_input, rotation_signs
@@ -45,16 +45,17 @@ def test_the_cpu_dequantize_kernels_give_the_pytorch_paths_numbers(dtype: torch.
     in float32, then one rounding to the dtype; whole matrices, row slices and looked-up rows."""
     rows = torch.tensor([5, 0, 47, 5])
     for group_size in (32, 128):
-        layer = Int4Linear.quantize(random_weight(48, 576), group_size)
-        grouped = layer.codes.view(48, -1, group_size // 2)
-        codes = torch.cat((grouped & 0x0F, grouped >> 4), dim=-1).float()
-        expected = (codes * layer.scales.unsqueeze(-1) + layer.mins.unsqueeze(-1)).flatten(-2)
+        layer = Int4Linear.quantize(random_weight(48, 600), group_size)
+        widths = torch.tensor(group_widths(600, group_size))  # the last padded
+        codes = layer.unpacked_codes().float()
+        expected = (codes * layer.scales.repeat_interleave(widths, dim=1)
+                    + layer.mins.repeat_interleave(widths, dim=1))
         assert torch.equal(layer.dequantize_padded(dtype=dtype), expected.to(dtype))
         assert torch.equal(layer.dequantize_padded(slice(8, 24), dtype), expected[8:24].to(dtype))
-        assert torch.equal(layer.dequantize(rows, dtype), expected[rows, :576].to(dtype))
+        assert torch.equal(layer.dequantize(rows, dtype), expected[rows, :600].to(dtype))
         # into a W without its padding columns (the kernel drops them; PyTorch's path keeps them)
-        narrow = layer.dequantize_padded(dtype=dtype, out=torch.empty(48, 576, dtype=dtype))
-        assert torch.equal(narrow[:, :576], expected[:, :576].to(dtype))
+        narrow = layer.dequantize_padded(dtype=dtype, out=torch.empty(48, 600, dtype=dtype))
+        assert torch.equal(narrow[:, :600], expected[:, :600].to(dtype))
     for group_size in (576, 32):  # int8 mode's one scale a row; GGUF Q8_0's groups of 32
         codes = torch.randint(-127, 128, (48, 576), dtype=torch.int8)
         scales = torch.rand(48, 576 // group_size) * 0.01
@@ -75,7 +76,8 @@ def test_int8_round_trip_is_within_half_a_step() -> None:
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-@pytest.mark.parametrize("in_features", [256, 576])  # 576 = 4.5 groups of 128: padded
+# 576 in groups of 128: four and one of 64; 544: one of 32; 600: the last 88 padded to 128
+@pytest.mark.parametrize("in_features", [256, 544, 576, 600])
 def test_int4_round_trip_is_within_half_a_step(group_size: int, in_features: int) -> None:
     weight = random_weight(48, in_features)
     layer = Int4Linear.quantize(weight, group_size)
@@ -202,10 +204,11 @@ def test_dequantize_path_in_slices_equals_one_float_gemm() -> None:
     for rows in (1, 64):
         x = torch.randn(rows, 576)
         assert torch.equal(layer(x), F.linear(x, layer.dequantize(), layer.bias))
-    # int4 padded to whole groups (576 -> 640): the padding is left out of the product
-    layer = Int4Linear.quantize(random_weight(96, 576), 128, torch.randn(96), DEQUANTIZE)
+    # int4 with a padded last group (600 inputs: groups of 128, the last 88 wide padded to 128):
+    # the padding is left out of the product
+    layer = Int4Linear.quantize(random_weight(96, 600), 128, torch.randn(96), DEQUANTIZE)
     assert layer.padded_in_features == 640
-    x = torch.randn(7, 576)
+    x = torch.randn(7, 600)
     assert torch.equal(layer(x), F.linear(x, layer.dequantize(), layer.bias))
 
 
@@ -215,6 +218,22 @@ def test_always_packed_int4_keeps_one_copy_of_its_codes() -> None:
     assert packed.codes is None and packed.kernel_weight is not None
     lookup = Int4Linear.quantize(weight, 32, packed_max_rows=PACKED, looks_up_rows=True)
     assert torch.equal(lookup.dequantize(), Int4Linear.quantize(weight, 32).dequantize())
+
+
+@pytest.mark.skipif(not OWN_KERNELS, reason="tokenmill's int8/int4 kernels need AVX-512 BF16")
+@pytest.mark.parametrize("in_features", [544, 600])
+def test_own_int4_kernels_take_a_narrow_or_padded_last_group(in_features: int) -> None:
+    """Every path (int8 codes of x, widened codes, AMX tiles, de-quantize) reads a last group
+    of 32 (544 in groups of 128) and one padded from 88 to 128 (600) as the codes say."""
+    weight, bias = random_weight(96, in_features).bfloat16(), torch.randn(96).bfloat16()
+    layer = Int4Linear.quantize(weight, 128, bias)
+    assert layer.padded_in_features == {544: 544, 600: 640}[in_features]
+    reference = layer.dequantize().bfloat16()
+    for rows in ROW_COUNTS + (300,):
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+        expected = F.linear(x.bfloat16(), reference, bias).float()
+        error = (layer(x.bfloat16()).float() - expected).abs().mean()
+        assert error < 0.01 * expected.abs().mean(), rows
 
 
 @pytest.mark.skipif(not OWN_KERNELS, reason="tokenmill's int8/int4 kernels need AVX-512 BF16")

@@ -17,6 +17,13 @@
 
 namespace {
 
+// The width of group g of a row `padded` long in `groups` groups of group_size: whole groups,
+// then a last one as narrow as the rest's power of two from 32 (quant/int4.py's group_widths).
+// Group g's codes start at byte g * group_size / 2 of the row.
+inline int64_t group_width(int64_t g, int64_t groups, int64_t padded, int64_t group_size) {
+  return g + 1 < groups ? group_size : padded - (groups - 1) * group_size;
+}
+
 #if defined(__AVX512BF16__)
 // 32 int8 codes as bfloat16 (exact: |code| <= 127 needs 7 bits).
 inline __m512bh widen_int8(const int8_t* codes) {
@@ -152,12 +159,13 @@ inline __m512i lookup_int4_16(const uint8_t* bytes, __m512i table) {
 // the codes' order: 32 values of the low nibbles, the 32 of their high nibbles, the next 32 low...
 // (fused_order puts x in the same order).
 inline void widen_int4_rows(const uint8_t* codes, const float* scales, const float* mins,
-                            int64_t padded, int64_t group_size, uint16_t* out) {
-  const int64_t half = group_size / 2, groups = padded / group_size;
+                            int64_t padded, int64_t group_size, int64_t groups, uint16_t* out) {
   for (int64_t r = 0; r < kWeightRows * groups; ++r) {  // r: a group of some row
+    const int64_t row = r / groups, g = r % groups;
+    const int64_t half = group_width(g, groups, padded, group_size) / 2;
     const __m512i table = int4_table(scales[r], mins[r]);
-    const uint8_t* group_codes = codes + r * half;
-    uint16_t* group_out = out + r * group_size;
+    const uint8_t* group_codes = codes + row * padded / 2 + g * group_size / 2;
+    uint16_t* group_out = out + row * padded + g * group_size;
     if (half % 32 == 0) {
       for (int64_t i = 0; i < half; i += 32) {
         __m512i low, high;
@@ -172,14 +180,16 @@ inline void widen_int4_rows(const uint8_t* codes, const float* scales, const flo
 }
 
 // x [M, K] in widen_int4_rows' order, zero-padded to `padded`: bfloat16 [M, padded].
-torch::Tensor fused_order(const torch::Tensor& x, int64_t padded, int64_t group_size) {
-  const int64_t rows = x.size(0), in_features = x.size(1), half = group_size / 2;
+torch::Tensor fused_order(const torch::Tensor& x, int64_t padded, int64_t group_size,
+                          int64_t groups) {
+  const int64_t rows = x.size(0), in_features = x.size(1);
   auto out = torch::zeros({rows, padded}, x.options());
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t start = 0; start < padded; start += 32) {  // a group's i-th 32 (low or high)
       const int64_t g = start / group_size, within = start % group_size;
+      const int64_t half = group_width(g, groups, padded, group_size) / 2;
       const int64_t to = g * group_size + (within < half ? 2 * within : 2 * (within - half) + 32);
       const int64_t count = std::max<int64_t>(0, std::min<int64_t>(32, in_features - start));
       std::memcpy(os + m * padded + to, xs + m * x.stride(0) + start, count * sizeof(uint16_t));
@@ -216,12 +226,12 @@ struct Int4Activations {
   std::vector<float> scales;     // [M, chunks, 16]
   std::vector<float> sums;       // [M, groups]: sum of x over the group, in float32
 
-  Int4Activations(const torch::Tensor& x, int64_t padded, int64_t group_size,
+  Int4Activations(const torch::Tensor& x, int64_t padded, int64_t group_size, int64_t groups_,
                   const float* rotation_signs)
-      : chunks((padded / 2 + 63) / 64), groups(padded / group_size),
+      : chunks((padded / 2 + 63) / 64), groups(groups_),
         codes(x.size(0) * chunks * 128, 0), offsets(x.size(0) * chunks * 16),
         scales(x.size(0) * chunks * 16), sums(x.size(0) * groups) {
-    const int64_t half = group_size / 2, in_features = x.size(1);
+    const int64_t in_features = x.size(1);
     at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
       std::vector<float> values(padded, 0.f);
       for (int64_t m = begin; m < end; ++m) {
@@ -233,8 +243,9 @@ struct Int4Activations {
         int8_t* row_codes = codes.data() + m * chunks * 128;
         for (int64_t g = 0; g < groups; ++g) {
           const float* group = values.data() + g * group_size;
+          const int64_t width = group_width(g, groups, padded, group_size), half = width / 2;
           __m512 sum = _mm512_setzero_ps();
-          for (int64_t i = 0; i < group_size; i += 16)
+          for (int64_t i = 0; i < width; i += 16)
             sum = _mm512_add_ps(sum, _mm512_loadu_ps(group + i));
           sums[m * groups + g] = _mm512_reduce_add_ps(sum);
           for (int64_t i = 0; i < half; i += 16) {  // bytes g * half + i.. of the weight row
@@ -242,7 +253,7 @@ struct Int4Activations {
             const float piece_max = _mm512_reduce_max_ps(
                 _mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
             const __m512 inverse = _mm512_set1_ps(piece_max > 0.f ? 127.f / piece_max : 0.f);
-            const int64_t byte = g * half + i, chunk = byte / 64;
+            const int64_t byte = g * group_size / 2 + i, chunk = byte / 64;
             int8_t* out = row_codes + chunk * 128 + byte % 64;
             _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(
                                  _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse))));
@@ -340,20 +351,22 @@ struct Int4Weights {
               const torch::Tensor& mins_, int64_t group_size_,
               const c10::optional<torch::Tensor>& bias_, const char* name)
       : out_features(codes_.size(0)), padded(codes_.size(1) * 2), group_size(group_size_),
-        groups(padded / group_size_), bias(bias_) {
+        groups((padded + group_size_ - 1) / group_size_), bias(bias_) {
     const int64_t in_features = x.size(1);
     check_few_rows_input(x, bias_, out_features, name);
-    TORCH_CHECK(group_size >= 32 && (group_size & (group_size - 1)) == 0 &&
-                    padded % group_size == 0 && in_features <= padded &&
-                    padded - in_features < group_size,
-                name, ": P is x's K padded to whole groups, of a power of two from 32");
+    const int64_t last = group_width(groups - 1, groups, padded, group_size);
+    TORCH_CHECK(group_size >= 32 && (group_size & (group_size - 1)) == 0 && last >= 32 &&
+                    (last & (last - 1)) == 0 && in_features <= padded &&
+                    padded - in_features < last,
+                name, ": P is x's K padded to whole groups of a power of two from 32, the last "
+                "as narrow as the rest's power of two");
     TORCH_CHECK(codes_.dim() == 2 && codes_.is_contiguous() &&
                     codes_.scalar_type() == torch::kByte && out_features % kWeightRows == 0,
                 name, ": codes [N, P / 2] uint8 contiguous, N a multiple of 4");
     for (const auto& t : {scales_, mins_})
       TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat &&
                       t.numel() == out_features * groups,
-                  name, ": scales and mins [N, P / group_size] float32");
+                  name, ": scales and mins [N, groups] float32");
     codes = codes_.data_ptr<uint8_t>();
     scales = scales_.data_ptr<float>();
     mins = mins_.data_ptr<float>();
@@ -372,7 +385,7 @@ struct Int4Weights {
   // Each block of W widened to bfloat16 once for every row of x (already rotated). `tiles`:
   // multiplied on AMX tiles (linear_amx.cpp), else by linear_bf16.cpp's tile.
   torch::Tensor widened_product(const torch::Tensor& x, bool tiles) const {
-    const torch::Tensor xo = group_size % 64 == 0 ? fused_order(x, padded, group_size) : x;
+    const torch::Tensor xo = group_size % 64 == 0 ? fused_order(x, padded, group_size, groups) : x;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (tiles)
       return amx_product(
@@ -380,7 +393,8 @@ struct Int4Weights {
           [&](int64_t n0, int64_t count, uint16_t* scratch) {
             for (int64_t r = 0; r < count; r += kWeightRows)
               widen_int4_rows(codes + (n0 + r) * padded / 2, scales + (n0 + r) * groups,
-                              mins + (n0 + r) * groups, padded, group_size, scratch + r * padded);
+                              mins + (n0 + r) * groups, padded, group_size, groups,
+                              scratch + r * padded);
             return static_cast<const uint16_t*>(scratch);
           },
           nullptr, bias.values);
@@ -389,7 +403,7 @@ struct Int4Weights {
         xo, out_features, kWeightRows * padded,
         [&](int64_t n0, uint16_t* scratch) {
           widen_int4_rows(codes + n0 * padded / 2, scales + n0 * groups, mins + n0 * groups,
-                          padded, group_size, scratch);
+                          padded, group_size, groups, scratch);
           return static_cast<const uint16_t*>(scratch);
         },
         BFloat16Rows{padded, xo.size(1)}, [&](int64_t n, float sum) { return sum + bias[n]; },
@@ -505,7 +519,8 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   if (tiles || x.size(0) > kInt8ActivationMaxRows)
     return w.widened_product(rotation_signs ? hadamard_rotate(x, *rotation_signs) : x, tiles);
   const Int4Activations activations(
-      x, w.padded, group_size, rotation_signs ? rotation_signs->data_ptr<float>() : nullptr);
+      x, w.padded, group_size, w.groups,
+      rotation_signs ? rotation_signs->data_ptr<float>() : nullptr);
   return few_rows_product(
       x, w.out_features, 0, [](int64_t n0, uint16_t*) { return n0; },
       [&](auto mt, int64_t n0, const uint16_t*, int64_t, int64_t m0,
@@ -546,30 +561,31 @@ torch::Tensor linear_int4_exact(torch::Tensor x, torch::Tensor codes, torch::Ten
 void dequantize_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins,
                      int64_t group_size, torch::Tensor out) {
   TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == torch::kByte &&
-                  group_size % 2 == 0 && (codes.size(1) * 2) % group_size == 0,
-              "dequantize_int4: codes [R, P / 2] uint8 contiguous, P whole groups");
-  const int64_t rows = codes.size(0), padded = codes.size(1) * 2, groups = padded / group_size;
+                  group_size % 2 == 0,
+              "dequantize_int4: codes [R, P / 2] uint8 contiguous");
+  const int64_t rows = codes.size(0), padded = codes.size(1) * 2;
+  const int64_t groups = (padded + group_size - 1) / group_size;
   for (const auto& t : {scales, mins})
     TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat &&
                     t.numel() == rows * groups,
-                "dequantize_int4: scales and mins [R, P / group_size] float32");
+                "dequantize_int4: scales and mins [R, groups] float32");
   const int64_t width = out.size(-1);
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == rows && width <= padded,
               "dequantize_int4: out [R, C] contiguous, C at most P");
   const uint8_t* cs = codes.data_ptr<uint8_t>();
   const float* ss = scales.data_ptr<float>();
   const float* ms = mins.data_ptr<float>();
-  const int64_t half = group_size / 2;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_int4", [&] {
     scalar_t* os = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {  // r: one group of one row
-        const int64_t first = (r % groups) * group_size;  // the group's first column
+        const int64_t g = r % groups, first = g * group_size;  // the group's first column
         if (first >= width) continue;
-        const uint8_t* bytes = cs + r * half;
+        const int64_t half = group_width(g, groups, padded, group_size) / 2;
+        const uint8_t* bytes = cs + (r / groups) * padded / 2 + first / 2;
         scalar_t* values = os + (r / groups) * width + first;
         const float scale = ss[r], min = ms[r];
-        const int64_t count = std::min(group_size, width - first);
+        const int64_t count = std::min(2 * half, width - first);
         for (int64_t i = 0; i < std::min(half, count); ++i)
           values[i] = static_cast<scalar_t>(static_cast<float>(bytes[i] & 0x0F) * scale + min);
         for (int64_t i = half; i < count; ++i)

@@ -94,7 +94,8 @@ def _gptq_layers(model: LlamaForCausalLM, linears: dict[str, Linear], group_size
         if quant_method.endswith("-hadamard") else {}
     path = cache.cache_path(loaded.path, config=model.config, group_size=group_size,
                             act_order=act_order, dtype=str(dtype),
-                            calibration=CALIBRATION_VERSION, **rotation_key)
+                            calibration=CALIBRATION_VERSION, codes="narrow-last-group",
+                            **rotation_key)
     tensors = cache.load(path, device)
     if tensors is None:
         start = time.perf_counter()
@@ -130,7 +131,7 @@ def _run_gptq(model: LlamaForCausalLM, group_size: int, loaded: LoadedModel,
             weight = rotate_input(weight.float(), rotation)
             matrix = rotate_hessian(matrix, rotation)
         levels, scales, mins = gptq_levels(weight, matrix, group_size, act_order)
-        tensors.update({f"{name}.codes": pack_levels(levels, group_size),
+        tensors.update({f"{name}.codes": pack_levels(levels, group_size, weight.shape[1]),
                         f"{name}.scales": scales, f"{name}.mins": mins})
         model.set_submodule(name, _int4_layer(tensors, name, linear, input_rotation=rotation))
 

@@ -2,9 +2,11 @@
 scale and min (the zero point, in weight units) for each group of `group_size` inputs of a row.
 
 Codes are stored two to a byte in GGUF's Q4_0/Q4_1 order: byte i of a group holds value i in its
-low nibble and value i + group_size / 2 in its high one, so GGUF blocks map on by slicing. A row
-whose length isn't a multiple of the group size (576 inputs in groups of 128) is padded to whole
-groups; the padding only ever meets zero inputs.
+low nibble and value i + width / 2 in its high one, so GGUF blocks map on by slicing. A row whose
+length isn't a multiple of the group size ends in a narrower group, as wide as the power of two
+(from 32) that holds what is left: 576 inputs in groups of 128 are four groups of 128 and one of
+64, where padding to whole groups stored and read an eighth more (`group_widths`). Padding only
+ever meets zero inputs.
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ class Int4Linear(QuantizedLinear):
                  packed_max_rows: int | None = None, looks_up_rows: bool = False,
                  packed_kernel: str | None = None,
                  input_rotation: torch.Tensor | None = None, exact: bool = False) -> None:
-        """codes uint8 [out, padded_in / 2]; scales, mins float32 [out, padded_in / group_size];
+        """codes uint8 [out, padded_in / 2]; scales, mins float32 [out, groups] (group_widths);
         `dtype` the activations'. packed_kernel "tokenmill" or "aten", None for tokenmill's where
         it can run; packed_max_rows None picks that kernel's measured crossover when it can run
         this shape. `looks_up_rows`: it also serves as the (tied) embedding. `exact`: every
         output is the float model's from the de-quantized weights, bit for bit (gguf; groups of
         32: linear_int4_exact where the float model runs linear_bf16, else de-quantize)."""
         out_features, padded_in_features = codes.shape[0], codes.shape[1] * 2
-        group_size = padded_in_features // scales.shape[1]
+        # the full groups' width: the power of two the last group's narrowing leaves it
+        group_size = 1 << (-(-padded_in_features // scales.shape[1]) - 1).bit_length()
         if exact:
             packed_max_rows = exact_max_rows(codes.device, dtype, out_features, in_features,
                                              padded_in_features, group_size) \
@@ -47,6 +50,8 @@ class Int4Linear(QuantizedLinear):
         super().__init__(out_features, in_features, padded_in_features, bias, packed_max_rows,
                          input_rotation)
         self.group_size = group_size
+        # the row padded to whole groups of group_size, as aten's kernels take it
+        self.grouped_in_features = scales.shape[1] * group_size
         self.packed_kernel = packed_kernel
         self.exact = exact
         self.register_buffer("codes", codes)
@@ -69,7 +74,7 @@ class Int4Linear(QuantizedLinear):
         """Min/max per group, as GGUF's Q4_1; the error of each value is at most scale / 2.
         With an `input_rotation` R, of W R."""
         out_features, in_features = weight.shape
-        padding = -in_features % group_size
+        padding = -in_features % group_size  # to whole groups here; pack_levels drops it
         values = weight.detach().float()
         if input_rotation is not None:
             values = rotate_input(values, input_rotation)
@@ -82,14 +87,19 @@ class Int4Linear(QuantizedLinear):
         scales = (groups.amax(dim=-1) - mins) / 15
         steps = torch.where(scales > 0, scales, 1.0).unsqueeze(-1)
         levels = torch.round((groups - mins.unsqueeze(-1)) / steps).clamp(0, 15).to(torch.uint8)
-        return cls(pack_levels(levels.flatten(1), group_size), scales, mins, in_features, bias,
-                   weight.dtype, packed_max_rows, looks_up_rows, packed_kernel, input_rotation)
+        return cls(pack_levels(levels.flatten(1), group_size, in_features), scales, mins,
+                   in_features, bias, weight.dtype, packed_max_rows, looks_up_rows, packed_kernel,
+                   input_rotation)
 
     def unpacked_codes(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
-        """Codes one per byte, uint8 [rows, padded_in / group_size, group_size]."""
+        """Codes one per byte, uint8 [rows, padded_in], in the inputs' order."""
         codes = self.codes if rows is None else self.codes[rows]
-        grouped = codes.view(*codes.shape[:-1], -1, self.group_size // 2)
-        return torch.cat((grouped & 0x0F, grouped >> 4), dim=-1)
+        pieces, start = [], 0
+        for width in group_widths(self.padded_in_features, self.group_size):
+            group = codes[..., start:start + width // 2]
+            pieces += [group & 0x0F, group >> 4]
+            start += width // 2
+        return torch.cat(pieces, dim=-1)
 
     def dequantize_padded(self, rows: torch.Tensor | slice | None = None,
                           dtype: torch.dtype = torch.float32,
@@ -111,8 +121,10 @@ class Int4Linear(QuantizedLinear):
         # Multiply, then add, as the loader's Q4_1 decoder does; in place, as each pass over the
         # matrix costs as much as the GEMM at one row (torch.addcmul would round differently,
         # and runs 30x slower with broadcast operands).
-        values = self.unpacked_codes(rows).float().mul_(scales.unsqueeze(-1))
-        return values.add_(mins.unsqueeze(-1)).flatten(-2).to(dtype)
+        width = self.padded_in_features
+        values = self.unpacked_codes(rows).float()
+        values.mul_(scales.repeat_interleave(self.group_size, dim=-1)[..., :width])
+        return values.add_(mins.repeat_interleave(self.group_size, dim=-1)[..., :width]).to(dtype)
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.exact:
@@ -123,8 +135,9 @@ class Int4Linear(QuantizedLinear):
                                              self.group_size, self.bias, self.input_rotation)
         matmul = torch.ops.aten._weight_int4pack_mm if x.is_cuda \
             else torch.ops.aten._weight_int4pack_mm_for_cpu
-        return self.add_bias(matmul(self.padded(self.rotated(x)), self.kernel_weight,
-                                    self.group_size, self.kernel_scale_zeros))
+        x = F.pad(self.rotated(x), (0, self.grouped_in_features - self.in_features))
+        return self.add_bias(matmul(x, self.kernel_weight, self.group_size,
+                                    self.kernel_scale_zeros))
 
     def decode_product(self) -> DecodeProduct | None:
         if self.packed_kernel != "tokenmill":
@@ -140,20 +153,34 @@ class Int4Linear(QuantizedLinear):
         # [groups, out, (scale, zero)] in the activations' dtype.
         scale_zeros = torch.stack((self.scales, self.mins + 8 * self.scales), dim=-1)
         scale_zeros = scale_zeros.transpose(0, 1).contiguous().to(dtype)
-        codes = self.unpacked_codes().flatten(-2)
+        codes = F.pad(self.unpacked_codes(),
+                      (0, self.grouped_in_features - self.padded_in_features))
         if codes.is_cuda:  # tinygemm's input: two codes a byte, the even one in the high nibble
             pairs = (codes[:, ::2] << 4) | codes[:, 1::2]
             return (torch.ops.aten._convert_weight_to_int4pack(
-                pairs, _inner_k_tiles(self.padded_in_features)), scale_zeros)
+                pairs, _inner_k_tiles(self.grouped_in_features)), scale_zeros)
         return (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1),
                 scale_zeros)
 
 
-def pack_levels(levels: torch.Tensor, group_size: int) -> torch.Tensor:
-    """uint8 codes [out, padded_in] one a byte -> two a byte, in the group order above."""
-    grouped = levels.view(levels.shape[0], -1, group_size)
-    half = group_size // 2
-    return (grouped[..., :half] | (grouped[..., half:] << 4)).view(levels.shape[0], -1)
+def group_widths(in_features: int, group_size: int) -> list[int]:
+    """The widths of a row's groups: whole groups, then the power of two from 32 that holds the
+    rest (the kernels' units are 32 codes and a power-of-two half group). Their sum is the
+    row's padded width."""
+    full, rest = divmod(in_features, group_size)
+    last = [max(32, 1 << (rest - 1).bit_length())] if rest else []
+    return [group_size] * full + last
+
+
+def pack_levels(levels: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
+    """uint8 codes [out, >= padded_in] one a byte -> two a byte, in the group order above; the
+    columns past the padded row (group_widths) are dropped."""
+    pieces, start = [], 0
+    for width in group_widths(in_features, group_size):
+        half = width // 2
+        pieces.append(levels[:, start:start + half] | (levels[:, start + half:start + width] << 4))
+        start += width
+    return torch.cat(pieces, dim=-1)
 
 
 def _default_packed_max_rows(device: torch.device, dtype: torch.dtype, out_features: int,

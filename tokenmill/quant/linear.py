@@ -132,12 +132,6 @@ class QuantizedLinear(nn.Module):
         """x R, or x where the layer has no input rotation."""
         return x if self.input_rotation is None else rotate_input(x, self.input_rotation)
 
-    def padded(self, x: torch.Tensor) -> torch.Tensor:
-        """x with zeros up to padded_in_features."""
-        if self.padded_in_features == self.in_features:
-            return x
-        return F.pad(x, (0, self.padded_in_features - self.in_features))
-
     def add_bias(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.bias is None else out + self.bias
 
