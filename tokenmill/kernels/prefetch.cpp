@@ -15,11 +15,16 @@
 
 namespace {
 
-// Asks for the cache lines of [start, start + bytes) in address order; never faults.
+// Asks for the cache lines of [start, start + bytes) in address order; never faults. Into L2, not
+// L1 (locality 2, prefetcht1): a KV block or a block of weight rows is 100 or so lines, more
+// than L1 has miss buffers for, and on the AMD VM such a burst into L1 stalled the loop issuing
+// it. There, alternating builds (benchmarks/profile_engine_steps.py): decode attention at 64
+// sequences 1.01 -> 0.61-0.65 ms a layer (the cache read at 10.9 -> 17-18 GB/s), a 64-sequence
+// decode step 98-100 -> 83-84 ms; one sequence's bf16 decode 57-78 -> 81-83 tokens/s.
 inline void prefetch_bytes(const void* start, int64_t bytes) {
   const auto begin = reinterpret_cast<uintptr_t>(start);
   for (uintptr_t line = begin & ~uintptr_t{63}; line < begin + bytes; line += 64)
-    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
+    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
 }
 
 }  // namespace
