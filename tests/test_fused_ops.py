@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tokenmill.kernels import cpu_kernels
+from tokenmill.kernels import cpu_has_amx, cpu_kernels
 from tokenmill.model import layers
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
@@ -104,6 +104,30 @@ def test_few_rows_bf16_linear(in_features):
     assert torch.equal(linear(x), out)
     with pytest.raises(RuntimeError, match="multiple of 4"):
         cpu_kernels().linear_bf16(x, weight[:95], None)
+
+
+@pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().linear_bf16_available(),
+                    reason="no AVX-512 BF16 here")
+def test_few_rows_bf16_linear_reads_interleaved_rows_to_the_same_values():
+    """W interleaved in blocks of four rows gives W's outputs bit for bit where both run the
+    VDPBF16PS tile (1 to 4 rows a pass, several passes); Linear reads it where it applies
+    (without AMX, whole chunks of 32 inputs) and hands the decode stack the same tensor."""
+    torch.manual_seed(7)
+    weight, bias = torch.randn(96, 576).bfloat16(), torch.randn(96).bfloat16()
+    interleaved = layers.interleave_bf16(weight)
+    assert interleaved.shape == (24, 18, 4, 32)
+    assert torch.equal(interleaved[1, 2, 3], weight[4 + 3, 64:96])
+    # with AMX, W as it lies goes to AMX tiles from 3 rows: the same values only up to 2
+    for rows in (1, 2) if cpu_has_amx() else (1, 2, 3, 4, 5, 9, 32):
+        x = torch.randn(rows, 576).bfloat16()
+        assert torch.equal(cpu_kernels().linear_bf16(x, interleaved, bias),
+                           cpu_kernels().linear_bf16(x, weight, bias)), rows
+    linear = layers.Linear(weight, bias)
+    assert (linear.few_rows_weight.dim() == 4) == (not cpu_has_amx())
+    assert linear.decode_product().tensors[0] is linear.few_rows_weight
+    assert layers.Linear(torch.randn(8, 100).bfloat16()).few_rows_weight.dim() == 2
+    with pytest.raises(RuntimeError, match="K / 32"):
+        cpu_kernels().linear_bf16(torch.randn(1, 544).bfloat16(), interleaved, None)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")

@@ -31,13 +31,15 @@ inline void store_sums(const __m512 acc[kWeightRows], float out[kWeightRows]) {
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(all), _mm256_extractf128_ps(all, 1)));
 }
 
-// out[m][n] = dot(x row m, w row n) for MT rows of x and kWeightRows rows of w, w_stride apart (a
-// decoded W may be padded to whole quantization groups). Masked loads
-// throughout (full masks but for the tail) keep the loop branch-free, so the compiler holds the
-// accumulators in registers instead of spilling them every step.
+// out[m][n] = dot(x row m, w row n) for MT rows of x and kWeightRows rows of w. Row n's values
+// k..k + 31 start at w + n * w_stride + k / 32 * chunk_stride: rows as they lie have chunk_stride
+// 32 and w_stride their length (a decoded W may be padded to whole quantization groups);
+// interleaved rows (interleave_bf16 in model/layers.py) have w_stride 32 and chunk_stride 128.
+// Masked loads throughout (full masks but for the tail) keep the loop branch-free, so the
+// compiler holds the accumulators in registers instead of spilling them every step.
 template <int MT>
 inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t w_stride,
-                 int64_t in_features, float out[kInputRows][kWeightRows]) {
+                 int64_t chunk_stride, int64_t in_features, float out[kInputRows][kWeightRows]) {
   __m512 acc[MT][kWeightRows];
 #pragma GCC unroll 4
   for (int m = 0; m < MT; ++m)
@@ -50,7 +52,7 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t
     __m512i weights[kWeightRows];
 #pragma GCC unroll 4
     for (int n = 0; n < kWeightRows; ++n)
-      weights[n] = _mm512_maskz_loadu_epi16(mask, w + n * w_stride + k);
+      weights[n] = _mm512_maskz_loadu_epi16(mask, w + n * w_stride + k / 32 * chunk_stride);
 #pragma GCC unroll 4
     for (int m = 0; m < MT; ++m) {
       const __m512i inputs = _mm512_maskz_loadu_epi16(mask, x + m * x_stride + k);
@@ -109,13 +111,14 @@ torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int
   return out;
 }
 
-// few_rows_product's `multiply` for bfloat16 x [M, in_features] and rows of W, w_stride apart.
+// few_rows_product's `multiply` for bfloat16 x [M, in_features] and rows of W laid out as `tile`
+// reads them: as they lie, w_stride apart, by default.
 struct BFloat16Rows {
-  int64_t w_stride, in_features;
+  int64_t w_stride, in_features, chunk_stride = 32;
   template <typename MT>
   void operator()(MT, const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t,
                   float sums[kInputRows][kWeightRows]) const {
-    tile<MT::value>(x, x_stride, w, w_stride, in_features, sums);
+    tile<MT::value>(x, x_stride, w, w_stride, chunk_stride, in_features, sums);
   }
 };
 
@@ -146,29 +149,44 @@ bool linear_bf16_available() {
 #endif
 }
 
-// x [M, K] bfloat16 with contiguous rows; weight [N, K] bfloat16 contiguous, N a multiple of 4;
-// bias [N] bfloat16 or None. Returns [M, N] bfloat16.
+// x [M, K] bfloat16 with contiguous rows; weight bfloat16 contiguous, [N, K] or interleaved
+// [N / 4, K / 32, 4, 32] (model/layers.py's interleave_bf16), N a multiple of 4; bias [N]
+// bfloat16 or None. Returns [M, N] bfloat16, the same values from either layout.
+//
+// Interleaved, each block of four rows is one run of memory, read in order: the hardware
+// prefetcher follows it, where four rows as they lie are four short streams (1,152 bytes for
+// SmolLM2's 576 inputs) that it barely starts on, even with prefetch_bytes asking for them.
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
   const WithoutGil without_gil;
 #if defined(__AVX512BF16__)
-  check_few_rows_input(x, bias, weight.size(0), "linear_bf16");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
-                  weight.scalar_type() == torch::kBFloat16 && weight.size(1) == x.size(1) &&
-                  weight.size(0) % kWeightRows == 0,
-              "linear_bf16: weight [N, K] bfloat16 contiguous, N a multiple of 4");
+  const bool interleaved = weight.dim() == 4;
+  const int64_t out_features = interleaved ? weight.size(0) * kWeightRows : weight.size(0);
+  check_few_rows_input(x, bias, out_features, "linear_bf16");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == torch::kBFloat16 &&
+                  (interleaved ? weight.size(1) * 32 == x.size(1) && weight.size(2) == kWeightRows
+                                     && weight.size(3) == 32
+                               : weight.dim() == 2 && weight.size(1) == x.size(1) &&
+                                     out_features % kWeightRows == 0),
+              "linear_bf16: weight bfloat16 contiguous, [N, K] with N a multiple of 4, or "
+              "[N / 4, K / 32, 4, 32]");
   const auto* ws = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   const Bias b(bias);
   const int64_t in_features = x.size(1);
+  // Either way rows n0.. start n0 * K values in.
+  const auto rows_at = [&](int64_t n0, uint16_t*) { return ws + n0 * in_features; };
+  const auto finish = [&](int64_t n, float sum) { return sum + b[n]; };
+  if (interleaved)
+    return few_rows_product(x, out_features, 0, rows_at, BFloat16Rows{32, in_features, 128},
+                            finish, [](int64_t) {});
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (use_amx(x.size(0), weight.size(0), in_features))
+  if (use_amx(x.size(0), out_features, in_features))
     return amx_product(
-        x, weight.size(0), in_features, false,
+        x, out_features, in_features, false,
         [&](int64_t n0, int64_t, uint16_t*) { return ws + n0 * in_features; }, nullptr,
         b.values);
 #endif
   return few_rows_product(
-      x, weight.size(0), 0, [&](int64_t n0, uint16_t*) { return ws + n0 * in_features; },
-      BFloat16Rows{in_features, in_features}, [&](int64_t n, float sum) { return sum + b[n]; },
+      x, out_features, 0, rows_at, BFloat16Rows{in_features, in_features}, finish,
       [&](int64_t n0) {
         prefetch_bytes(ws + n0 * in_features, kWeightRows * in_features * sizeof(uint16_t));
       });

@@ -26,6 +26,8 @@ class Linear(nn.Module):
     more through oneDNN's product on a copy of W in oneDNN's own blocked layout (`packed_bf16`):
     F.linear re-lays W out on every call, which cost about as much as the product itself at
     decode's row counts. The copy is made on first use and doubles this layer's weight memory.
+    Without AMX the few-row kernel reads a third copy, W's blocks of four rows interleaved
+    (`interleave_bf16`), also made on first use.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -36,6 +38,7 @@ class Linear(nn.Module):
         self.sources = sources
         self.few_rows_kernel = _few_rows_kernel(self.weight)
         self._packed: torch.Tensor | None = None
+        self._interleaved: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -48,19 +51,43 @@ class Linear(nn.Module):
             self._packed = pack_bf16(self.weight)
         return self._packed
 
+    @property
+    def few_rows_weight(self) -> torch.Tensor:
+        """What the few-row kernel reads: W, or W interleaved where that is faster."""
+        if not (self.few_rows_kernel and interleaves(self.weight)):
+            return self.weight
+        if self._interleaved is None:
+            self._interleaved = interleave_bf16(self.weight)
+        return self._interleaved
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.few_rows_kernel and x.dim() == 2 and x.shape[0] <= FEW_ROWS_MAX \
                 and x.dtype == torch.bfloat16:
-            return cpu_kernels().linear_bf16(x, self.weight, self.bias)
+            return cpu_kernels().linear_bf16(x, self.few_rows_weight, self.bias)
         return float_product(x, self.weight, self.bias, self.packed)
 
     def decode_product(self) -> DecodeProduct:
         """This product in the C++ decode stack, which chooses as forward does."""
         if self.packed is not None:
             few_rows = FEW_ROWS_MAX if self.few_rows_kernel else 0
-            return DecodeProduct(BFLOAT16, (self.weight, self.packed), self.bias, param=few_rows,
-                                 max_rows=PACKED_MAX_ROWS)
+            return DecodeProduct(BFLOAT16, (self.few_rows_weight, self.packed), self.bias,
+                                 param=few_rows, max_rows=PACKED_MAX_ROWS)
         return DecodeProduct(TORCH_LINEAR, (self.weight,), self.bias)
+
+
+def interleaves(weight: torch.Tensor) -> bool:
+    """Whether the few-row kernel reads W interleaved: on VDPBF16PS (without AMX, whose tiles
+    take W's rows as they lie), for whole chunks of 32 inputs. One row of x streamed SmolLM2's
+    weights from memory 13 to 42% faster so (27.5 to 32.8 against 22.1 to 28.0 GB/s on the AMD VM,
+    two threads; kernels/linear_bf16.cpp says why)."""
+    return not cpu_has_amx() and weight.shape[1] % 32 == 0
+
+
+def interleave_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] as [N / 4, K / 32, 4, 32]: for each block of four rows, their values 0..31, then
+    32..63, ... side by side, the order linear_bf16's tile reads them in."""
+    out_features, in_features = weight.shape
+    return weight.view(out_features // 4, 4, in_features // 32, 32).transpose(1, 2).contiguous()
 
 
 def packs_bf16(weight: torch.Tensor) -> bool:
@@ -199,6 +226,15 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up = gate_up
         self.down = down
+
+    @property
+    def few_rows_weight(self) -> torch.Tensor:
+        """What the few-row kernel reads: W, or W interleaved where that is faster."""
+        if not (self.few_rows_kernel and interleaves(self.weight)):
+            return self.weight
+        if self._interleaved is None:
+            self._interleaved = interleave_bf16(self.weight)
+        return self._interleaved
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # In place in gate_up's output, the same values: two fresh [tokens, intermediate] tensors
