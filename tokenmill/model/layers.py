@@ -227,15 +227,6 @@ class GatedMLP(nn.Module):
         self.gate_up = gate_up
         self.down = down
 
-    @property
-    def few_rows_weight(self) -> torch.Tensor:
-        """What the few-row kernel reads: W, or W interleaved where that is faster."""
-        if not (self.few_rows_kernel and interleaves(self.weight)):
-            return self.weight
-        if self._interleaved is None:
-            self._interleaved = interleave_bf16(self.weight)
-        return self._interleaved
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # In place in gate_up's output, the same values: two fresh [tokens, intermediate] tensors
         # a layer cost more than the product at prefill (page faults of new large buffers; a
