@@ -131,8 +131,8 @@ inline void widen_scaled_int8_rows(const int8_t* codes, const float* scales, int
   }
 }
 
-// int4 rows are padded / 2 bytes in groups of group_size / 2: byte i of a group holds value i in
-// its low nibble, i + group_size / 2 in its high one; each group has a float32 scale and min.
+// int4 rows are padded / 2 bytes in groups (group_width): byte i of a group `width` wide holds
+// value i in its low nibble, i + width / 2 in its high one; each group has a float32 scale and min.
 //
 // Above kInt8ActivationMaxRows rows of x, each block of four rows of W is widened once to
 // bfloat16 into a buffer that stays in L1, and linear_bf16.cpp's tile multiplies it by every four
@@ -514,8 +514,8 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 }
 
 // x [M, K] bfloat16 with contiguous rows; codes uint8 [N, P / 2] contiguous, P the row's length
-// padded to whole groups (group_size a power of two, 32 or more), N a multiple of 4; scales and
-// mins float32 [N, P / group_size]; bias [N] bfloat16 or None; rotation_signs, when given, rotate
+// in groups of group_size (a power of two, 32 or more) but for a narrower last one (group_width),
+// N a multiple of 4; scales and mins float32 [N, groups]; bias [N] bfloat16 or None; rotation_signs, when given, rotate
 // x first (hadamard.cpp): the layer's codes are of W R. Returns [M, N] bfloat16.
 torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                           torch::Tensor mins, int64_t group_size,
@@ -569,7 +569,7 @@ torch::Tensor linear_int4_exact(torch::Tensor x, torch::Tensor codes, torch::Ten
 
 // Writes W into `out` [R, C] (float32, bfloat16 or float16, contiguous; C <= P, the columns past
 // C dropped: the padding a product can skip) from int4 codes [R, P / 2] (the layout above),
-// scales and mins float32 [R, P / group_size]: code * scale, then + min, each rounded to float32
+// scales and mins float32 [R, groups]: code * scale, then + min, each rounded to float32
 // as Int4Linear.dequantize_padded's PyTorch path does, then once to out's dtype. One pass, for
 // the de-quantize + GEMM path, where the PyTorch ops took five.
 void dequantize_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins,
