@@ -10,6 +10,7 @@ packed kernels and the int8 cache stay on the eager path.
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,6 @@ class DecodePlan:
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  products: list[DecodeProduct]) -> None:
         self.kv_caches = kv_caches
-        self.flat_caches = [cache for pair in kv_caches for cache in pair]
         self.cache_dtype = kv_caches[0][0].dtype
         self.max_rows = min(product.max_rows for product in products)
         attention = model.layers[0].self_attn
@@ -47,16 +47,21 @@ class DecodePlan:
         self.scale = attention.attn.scale
         self.eps = model.norm.eps
         self.cos, self.sin = model.rotary.cos, model.rotary.sin
-        self.weights: list[torch.Tensor] = []
-        self.layout: list[int] = []
+        weights: list[torch.Tensor] = []
+        layout: list[int] = []
         for index, layer in enumerate(model.layers):
-            self.weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for product in products[4 * index:4 * index + 4]:
                 extras = [t for t in (product.bias, product.rotation) if t is not None]
-                self.weights += [*product.tensors, *extras]
-                self.layout += [product.kind, product.param, int(product.bias is not None),
-                                int(product.rotation is not None)]
-        self.weights.append(model.norm.weight)
+                weights += [*product.tensors, *extras]
+                layout += [product.kind, product.param, int(product.bias is not None),
+                           int(product.rotation is not None)]
+        weights.append(model.norm.weight)
+        kernels = cpu_kernels()
+        # C++ keeps the plan (and so the tensors) until this object goes
+        self.handle = kernels.create_decode_plan(weights, layout,
+                                                 [cache for pair in kv_caches for cache in pair])
+        weakref.finalize(self, kernels.release_decode_plan, self.handle)
 
     @classmethod
     def build(cls, model: nn.Module,
@@ -84,6 +89,6 @@ class DecodePlan:
                  meta: AttentionMetadata) -> torch.Tensor:
         """The final norm's output for embeddings x [B, hidden]; x becomes the residual stream."""
         return cpu_kernels().decode_layers(
-            x, positions, self.cos, self.sin, self.weights, self.layout, self.flat_caches,
-            meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens, self.num_heads,
-            self.num_kv_heads, self.eps, self.scale)
+            x, positions, self.cos, self.sin, self.handle, meta.slot_mapping,
+            meta.decode_block_tables, meta.decode_seq_lens, self.num_heads, self.num_kv_heads,
+            self.eps, self.scale)
