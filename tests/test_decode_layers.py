@@ -8,6 +8,8 @@ take.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -94,3 +96,28 @@ def test_steps_the_plan_leaves_to_python(tmp_path, smollm):
     assert batches == [2]
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_a_plan_lives_in_cpp_as_long_as_its_decode_plan(tmp_path, smollm):
+    """The C++ side keeps each plan's tensors under a handle until the DecodePlan goes."""
+    folder = write_tiny_model(tmp_path / "tiny", smollm, "LlamaForCausalLM", 2, 2)
+    llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=64, block_size=8)
+    model = llm.engine.runner.model
+    plan = model.decode_plan
+    handle, other = plan.handle, LLM(model=str(folder), dtype="float32", num_kv_blocks=64,
+                                     block_size=8).engine.runner.model.decode_plan.handle
+    assert handle != other
+    empty = torch.empty(0)
+
+    def run(h: int) -> None:
+        cpu_kernels().decode_layers(empty, empty, empty, empty, h, empty, empty, empty, 1, 1,
+                                    1e-5, 1.0)
+
+    with pytest.raises(RuntimeError, match="no plan"):
+        run(-1)
+    greedy_tokens(llm, varied_prompts(2), max_tokens=3)  # decodes through the plan
+    model.decode_plan = plan = None
+    del llm, model
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"no plan {handle}"):
+        run(handle)
