@@ -7,6 +7,8 @@ eager layers (no C++ decode stack) with the attention kernel timed, so the cache
 give its rate against the machine's memory (a plain sum over 1 GB, two threads, printed beside).
 
     python benchmarks/profile_engine_steps.py
+    # bench_quant.py's concurrent workload, one weight format
+    python benchmarks/profile_engine_steps.py --num-prompts 32 --quantization int4
 """
 
 from __future__ import annotations
@@ -98,11 +100,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--quantization", default="none",
+                        help="a --quantization value (int4 takes group 128, as bench_quant.py)")
     parser.add_argument("--output-json", type=Path,
                         default=REPO_ROOT / "benchmarks/results/profile_engine_steps.json")
     args = parser.parse_args()
     prompts, warmup = build_prompts(resolve_model_path(args.model), args.num_prompts)
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_prompts)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_prompts,
+              quantization=args.quantization, quant_group_size=128)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([warmup], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
@@ -120,7 +125,8 @@ def main() -> None:
         print(f"attention ({key}): {a['calls']} calls, {a['ms_per_call']:.3f} ms a call, "
               f"cache read at {a['cache_gb_per_s']:.1f} GB/s")
     print(f"memory: a sum over 1 GiB runs at {memory:.1f} GB/s")
-    save_report(args.output_json, "profile_engine_steps", dtype=args.dtype, steps=steps,
+    save_report(args.output_json, "profile_engine_steps", dtype=args.dtype,
+                quantization=args.quantization, steps=steps,
                 attention=attention, memory_sum_gb_per_s=memory,
                 torch_threads=torch.get_num_threads())
 

@@ -44,7 +44,7 @@ def test_the_cpu_dequantize_kernels_give_the_pytorch_paths_numbers(dtype: torch.
     """The C++ de-quantizers (one pass) against the PyTorch ops they replace: code * scale (+ min)
     in float32, then one rounding to the dtype; whole matrices, row slices and looked-up rows."""
     rows = torch.tensor([5, 0, 47, 5])
-    for group_size in (32, 128):
+    for group_size in (32, 64, 128):
         layer = Int4Linear.quantize(random_weight(48, 600), group_size)
         widths = torch.tensor(group_widths(600, group_size))  # the last padded
         codes = layer.unpacked_codes().float()

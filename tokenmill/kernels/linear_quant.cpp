@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -614,6 +615,28 @@ void dequantize_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor mi
         scalar_t* values = os + (r / groups) * width + first;
         const float scale = ss[r], min = ms[r];
         const int64_t count = std::min(2 * half, width - first);
+#if defined(__AVX512BF16__)
+        // A whole group in bfloat16 by int4_table's lookups, the same values as the loop below:
+        // that loop ran 1.3 G values a second in groups of 32 (GGUF's), a sixth of its rate in
+        // groups of 128, and made a 2,048-row step's de-quantize 3 ms a layer (SmolLM2, AMD VM).
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+          if (count == 2 * half) {
+            const __m512i table = int4_table(scale, min);
+            auto* out16 = reinterpret_cast<uint16_t*>(values);
+            if (half % 32 == 0) {
+              for (int64_t i = 0; i < half; i += 32) {
+                __m512i low, high;
+                lookup_int4_32(bytes + i, table, low, high);
+                _mm512_storeu_si512(out16 + i, low);
+                _mm512_storeu_si512(out16 + half + i, high);
+              }
+            } else {
+              _mm512_storeu_si512(out16, lookup_int4_16(bytes, table));
+            }
+            continue;
+          }
+        }
+#endif
         for (int64_t i = 0; i < std::min(half, count); ++i)
           values[i] = static_cast<scalar_t>(static_cast<float>(bytes[i] & 0x0F) * scale + min);
         for (int64_t i = half; i < count; ++i)
