@@ -234,3 +234,71 @@ def test_decode_kernel_on_model_shapes(dtype):
                                            v_cache, block_tables, seq_lens, block)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(kernel.float(), fallback.float(), atol=tolerance, rtol=tolerance)
+
+
+def dense_attention_gqa(q, k, v, causal_offset):
+    """dense_attention for any head counts: q [Tq, H, D], k/v [Tk, Hkv, D], in float32."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) / q.shape[2] ** 0.5
+    q_pos = torch.arange(q.shape[0]).unsqueeze(1) + causal_offset
+    scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def bf16_prefill(heads, kv_heads, dim, block, context, queries, seed):
+    """A bfloat16 cache of `context` tokens in shuffled blocks and the last `queries` of them as
+    a prefill chunk on the kernel path: (q, k, v, k_cache, v_cache, table)."""
+    torch.manual_seed(seed)
+    blocks = -(-context // block)
+    k_cache = torch.randn(2 * blocks + 1, block, kv_heads, dim).bfloat16()
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(2 * blocks + 1)[:blocks]
+    k, v = (c[table].flatten(0, 1)[:context] for c in (k_cache, v_cache))
+    # q as a view into a fused qkv product, as the model passes it
+    q = torch.randn(queries, heads + 2 * kv_heads, dim).bfloat16()[:, :heads]
+    return q, k, v, k_cache, v_cache, table
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block", [(9, 3, 64, 16), (14, 2, 64, 4),
+                                                      (4, 4, 128, 32)])
+@pytest.mark.parametrize("context,queries", [(1, 1), (16, 16), (17, 17), (40, 13), (300, 300)])
+def test_tiled_bf16_prefill_matches_dense_reference(heads, kv_heads, dim, block, context,
+                                                    queries):
+    """bfloat16 prefill with head_dim 64 or 128 runs in tiles of 16 queries (softmax online,
+    probabilities rounded to bfloat16 for V): within bfloat16's rounding of the dense result,
+    as the per-token path is, for partial tiles and runs, a cached prefix and GQA."""
+    skip_without_kernel(True)
+    q, k, v, k_cache, v_cache, table = bf16_prefill(heads, kv_heads, dim, block, context,
+                                                    queries, seed=7)
+    chunk = prefill_chunk(0, queries, context, table, True, torch.bfloat16, q.device)
+    tiled = torch.empty(q.shape, dtype=q.dtype)
+    cpu_kernels().paged_prefill_attention(q, k_cache, v_cache, table, chunk.seq_lens,
+                                          dim ** -0.5, tiled)
+    per_token = torch.empty_like(tiled)
+    cpu_kernels().paged_decode_attention(q, k_cache, v_cache, table.expand(queries, -1),
+                                         chunk.seq_lens, dim ** -0.5, per_token)
+    expected = dense_attention_gqa(q, k, v, context - queries)
+    for out in (tiled, per_token):
+        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    assert (tiled.float() - expected).abs().max() <= 2 * (per_token.float() - expected).abs().max()
+
+
+def test_tiled_bf16_prefill_does_not_depend_on_chunking():
+    """A query token's result depends on its own position and the keys only: the same tokens
+    prefilled as one chunk or as chunks after a cached prefix (tiles starting elsewhere, partial
+    ones) give the same bits, as chunked prefill and prefix-cache hits need."""
+    skip_without_kernel(True)
+    heads, kv_heads, dim, context = 9, 3, 64, 100
+    q, _, _, k_cache, v_cache, table = bf16_prefill(heads, kv_heads, dim, 16, context, context,
+                                                    seed=8)
+
+    def attend(start, end):
+        out = torch.empty(end - start, heads, dim, dtype=torch.bfloat16)
+        cpu_kernels().paged_prefill_attention(q[start:end], k_cache, v_cache, table,
+                                              torch.arange(start + 1, end + 1), dim ** -0.5, out)
+        return out
+
+    whole = attend(0, context)
+    chunked = torch.cat([attend(0, 37), attend(37, 41), attend(41, context)])
+    assert torch.equal(whole, chunked)

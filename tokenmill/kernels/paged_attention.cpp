@@ -364,6 +364,178 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
   });
 }
 
+#if defined(__AVX512BF16__)
+// Prefill of one chunk over a bfloat16 cache, in tiles of 16 query tokens by a run of up to 16
+// keys. Attending each query token as a decode sequence re-reads its whole context once a token
+// and reduces every dot product across lanes; here a tile's 16 queries sit in the 16 lanes of a
+// register, so both products are VDPBF16PS on a broadcast pair of the other side, with no
+// horizontal sums, and each key and value row is read once a tile for all of its group's heads.
+// The softmax is online (flash attention's running max and sum, per lane), and the
+// probabilities meet V rounded to bfloat16, as flash attention's do: each lane's arithmetic
+// depends only on its own query and the keys (runs lie in blocks, so on their absolute
+// positions), never on which queries share its tile.
+constexpr int64_t kQueryTile = 16;
+
+// pairs[k][d] = (row 2k, row 2k + 1) of dimension d, as two bfloat16 in 32 bits; a missing odd
+// row is zero. head_dim a multiple of 32. VPUNPCK{L,H}WD interleave within 128-bit lanes; the
+// permutes put the dimensions back in order.
+inline void tiled_values(const c10::BFloat16* rows, int64_t stride, int64_t count,
+                         int64_t head_dim, uint32_t* pairs) {
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_half =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t k = 0; 2 * k < count; ++k) {
+    const auto* first = reinterpret_cast<const uint16_t*>(rows + 2 * k * stride);
+    const auto* second = reinterpret_cast<const uint16_t*>(rows + (2 * k + 1) * stride);
+    for (int64_t c = 0; c < head_dim; c += 32) {
+      const __m512i a = _mm512_loadu_si512(first + c);
+      const __m512i b = 2 * k + 1 < count ? _mm512_loadu_si512(second + c) : _mm512_setzero_si512();
+      const __m512i low = _mm512_unpacklo_epi16(a, b), high = _mm512_unpackhi_epi16(a, b);
+      _mm512_storeu_si512(pairs + k * head_dim + c, _mm512_permutex2var_epi32(low, first_half, high));
+      _mm512_storeu_si512(pairs + k * head_dim + c + 16,
+                          _mm512_permutex2var_epi32(low, second_half, high));
+    }
+  }
+}
+
+// acc += a . {b, b, ...}: VDPBF16PS with a 32-bit memory operand broadcast to every lane, one
+// instruction where the compiler emitted a broadcast and the product.
+inline __m512 dot_pairs_broadcast(__m512 acc, __m512bh a, const uint32_t* b) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*b));
+  return acc;
+}
+
+// One query head's tile state: its queries as pairs of dimensions ([D / 2][16 lanes]), the
+// running max and sum per lane, and the output [D][16 lanes]. D is a template
+// argument so that every broadcast operand sits at a constant offset and folds into VDPBF16PS.
+template <int D>
+struct QueryTile {
+  alignas(64) uint32_t queries[D / 2 * kQueryTile];
+  alignas(64) float acc[D * kQueryTile];
+  alignas(64) float max[kQueryTile];
+  alignas(64) float sum[kQueryTile];
+
+  void start(const c10::BFloat16* q, int64_t token_stride, int64_t count) {
+    for (int64_t lane = 0; lane < kQueryTile; ++lane)
+      for (int64_t p = 0; p < D / 2; ++p) {
+        uint32_t pair = 0;
+        if (lane < count) std::memcpy(&pair, q + lane * token_stride + 2 * p, sizeof(pair));
+        queries[p * kQueryTile + lane] = pair;
+      }
+    std::fill_n(acc, D * kQueryTile, 0.f);
+    std::fill_n(max, kQueryTile, -INFINITY);
+    std::fill_n(sum, kQueryTile, 0.f);
+  }
+
+  // The run of `count` keys from position `first` (`keys`: 16 rows D apart, rows past count
+  // anything finite), their values as tiled_values' pairs, for queries at positions
+  // `positions` (lanes). Scores past count are masked out.
+  void attend(const uint32_t* keys, int64_t count, int64_t first, __m512i positions,
+              const uint32_t* values, float scale) {
+    __m512 s[kRun];
+#pragma GCC unroll 16
+    for (int j = 0; j < kRun; ++j) s[j] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int p = 0; p < D / 2; ++p) {
+      const __m512bh qp = (__m512bh)_mm512_load_si512(queries + p * kQueryTile);
+#pragma GCC unroll 16
+      for (int j = 0; j < kRun; ++j)
+        s[j] = dot_pairs_broadcast(s[j], qp, keys + j * D / 2 + p);
+    }
+    __mmask16 valid[kRun];
+    const __m512 old_max = _mm512_load_ps(max);
+    __m512 top = old_max;
+#pragma GCC unroll 16
+    for (int j = 0; j < kRun; ++j) {
+      valid[j] = j < count ? _mm512_cmp_epi32_mask(_mm512_set1_epi32(first + j), positions,
+                                                   _MM_CMPINT_LE) : 0;
+      s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[j], s[j], _mm512_set1_ps(scale));
+      top = _mm512_max_ps(top, s[j]);
+    }
+    __m512 total = _mm512_load_ps(sum);
+    if (_mm512_cmp_ps_mask(top, old_max, _CMP_NEQ_OQ)) {  // a lane's max rose: rescale its sums
+      const __m512 alpha = exp16(_mm512_sub_ps(old_max, top));
+      total = _mm512_mul_ps(total, alpha);
+      for (int i = 0; i < D; ++i)
+        _mm512_store_ps(acc + i * kQueryTile, _mm512_mul_ps(_mm512_load_ps(acc + i * kQueryTile), alpha));
+      _mm512_store_ps(max, top);
+    }
+    __m512i weights[kRun / 2];  // (key 2k, key 2k + 1) per lane, bfloat16
+#pragma GCC unroll 8
+    for (int k = 0; k < kRun / 2; ++k) {
+      const __m512 even = _mm512_maskz_mov_ps(valid[2 * k], exp16(_mm512_sub_ps(s[2 * k], top)));
+      const __m512 odd = _mm512_maskz_mov_ps(valid[2 * k + 1],
+                                             exp16(_mm512_sub_ps(s[2 * k + 1], top)));
+      total = _mm512_add_ps(total, _mm512_add_ps(even, odd));
+      weights[k] = _mm512_or_si512(
+          _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even)),
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd)), 16));
+    }
+    _mm512_store_ps(sum, total);
+    const int64_t pairs = (count + 1) / 2;
+    for (int i0 = 0; i0 < D; i0 += 16) {
+      __m512 a[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) a[i] = _mm512_load_ps(acc + (i0 + i) * kQueryTile);
+      for (int64_t k = 0; k < pairs; ++k) {
+        const uint32_t* v = values + k * D + i0;
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i)
+          a[i] = dot_pairs_broadcast(a[i], (__m512bh)weights[k], v + i);
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) _mm512_store_ps(acc + (i0 + i) * kQueryTile, a[i]);
+    }
+  }
+
+  void finish(c10::BFloat16* out, int64_t token_stride, int64_t count) const {
+    alignas(64) uint16_t rounded[D][kQueryTile];  // acc / sum, rounded as static_cast would
+    const __m512 inverse = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_load_ps(sum));
+    for (int i = 0; i < D; ++i)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(rounded[i]), (__m256i)_mm512_cvtneps_pbh(
+                             _mm512_mul_ps(_mm512_load_ps(acc + i * kQueryTile), inverse)));
+    for (int64_t lane = 0; lane < count; ++lane) {
+      auto* row = reinterpret_cast<uint16_t*>(out + lane * token_stride);
+      for (int i = 0; i < D; ++i) row[i] = rounded[i][lane];
+    }
+  }
+};
+
+// q [Tq, H, D] and out contiguous heads, token i at position prefix + i; one task a (KV head,
+// tile of 16 query tokens), its group's heads together.
+template <int D>
+void tiled_prefill(const c10::BFloat16* q, int64_t q_token_stride, const c10::BFloat16* k_cache,
+                   const c10::BFloat16* v_cache, const int64_t* table, int64_t query_len,
+                   int64_t prefix, c10::BFloat16* out, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t block_size, float scale) {
+  const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * D;
+  const int64_t tiles = (query_len + kQueryTile - 1) / kQueryTile;
+  at::parallel_for(0, num_kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<QueryTile<D>> heads(group);
+    alignas(64) uint32_t keys[kRun * D / 2] = {};  // the run's K rows, D apart
+    alignas(64) uint32_t values[kRun / 2 * D];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task % num_kv_heads, t0 = task / num_kv_heads * kQueryTile;
+      const int64_t count = std::min(kQueryTile, query_len - t0);
+      for (int64_t j = 0; j < group; ++j)
+        heads[j].start(q + t0 * q_token_stride + (h * group + j) * D, q_token_stride, count);
+      const __m512i positions = _mm512_add_epi32(
+          _mm512_set1_epi32(prefix + t0),
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      for_each_run(k_cache + h * D, table, prefix + t0 + count, block_size, token_stride, kRun,
+                   [&](int64_t t, const c10::BFloat16* rows, int64_t, int64_t run) {
+        for (int64_t j = 0; j < run; ++j)
+          std::memcpy(keys + j * D / 2, rows + j * token_stride, D * sizeof(c10::BFloat16));
+        tiled_values(v_cache + (rows - k_cache), token_stride, run, D, values);
+        for (auto& head : heads) head.attend(keys, run, t, positions, values, scale);
+      });
+      for (int64_t j = 0; j < group; ++j)
+        heads[j].finish(out + t0 * num_heads * D + (h * group + j) * D, num_heads * D, count);
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 // q [B, H, D] in float32, bfloat16 or float16, its head_dim rows contiguous and its heads
@@ -406,4 +578,48 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
       run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
     }
   });
+}
+
+// One prefill chunk's attention: q [Tq, H, D] (heads contiguous; a view into the fused qkv
+// product is fine), token i at position seq_lens[i] - 1 of the sequence whose blocks are
+// block_table [blocks] int64, seq_lens [Tq] int64 consecutive (attention.py's prefill_chunk);
+// caches as paged_decode_attention's. bfloat16 q and cache with head_dim 64 or 128 run
+// tiled_prefill on AVX-512 BF16; anything else attends each token as a decode sequence, the numbers
+// decode gives (float32's chunked prefill, prefix hits and recomputes rely on it). Writes
+// [Tq, H, D] into `out`, contiguous, of q's dtype.
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                             torch::Tensor block_table, torch::Tensor seq_lens, double scale,
+                             torch::Tensor out) {
+  TORCH_CHECK(block_table.dim() == 1 && seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0),
+              "block_table [blocks], seq_lens [Tq]");
+#if defined(__AVX512BF16__)
+  if (q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
+      q.dim() == 3 && (q.size(2) == 64 || q.size(2) == 128) && q.size(0) > 0) {
+    TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [Tq, H, D] with contiguous heads");
+    TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() &&
+                    out.scalar_type() == q.scalar_type(), "out: contiguous, q's shape and dtype");
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                    v_cache.scalar_type() == torch::kBFloat16 && k_cache.size(3) == q.size(2),
+                "caches: contiguous bfloat16 [num_blocks, block_size, Hkv, D]");
+    TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
+                "block_table and seq_lens must be int64");
+    block_table = block_table.contiguous();
+    seq_lens = seq_lens.contiguous();
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    const int64_t query_len = q.size(0);
+    TORCH_CHECK(lens[query_len - 1] - lens[0] == query_len - 1 && lens[0] >= 1,
+                "seq_lens: consecutive positions + 1");
+    TORCH_CHECK(block_table.size(0) * k_cache.size(1) >= lens[query_len - 1],
+                "block_table: too few blocks for the chunk's positions");
+    const WithoutGil without_gil;
+    const auto tiled = q.size(2) == 64 ? tiled_prefill<64> : tiled_prefill<128>;
+    tiled(q.data_ptr<c10::BFloat16>(), q.stride(0), k_cache.data_ptr<c10::BFloat16>(),
+          v_cache.data_ptr<c10::BFloat16>(), block_table.data_ptr<int64_t>(), query_len,
+          lens[0] - 1, out.data_ptr<c10::BFloat16>(), q.size(1), k_cache.size(2), k_cache.size(1),
+          static_cast<float>(scale));
+    return;
+  }
+#endif
+  paged_decode_attention(q, k_cache, v_cache, block_table.expand({q.size(0), -1}), seq_lens,
+                         scale, out);
 }

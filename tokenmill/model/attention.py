@@ -137,11 +137,10 @@ class PagedAttention:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
             if chunk.seq_lens is not None:
                 # torch's CPU SDPA ran causal prefill at about 14 GFLOP/s (85 ms a layer for 1,000
-                # tokens in bf16); the decode kernel reads the block table in place and does the
-                # same work 3-4x faster (benchmarks/bench_attention.py).
-                cpu_kernels().paged_decode_attention(
-                    q[rows], k_cache, v_cache, chunk.block_table.expand(chunk.query_len, -1),
-                    chunk.seq_lens, self.scale, out[rows])
+                # tokens in bf16); the kernel reads the block table in place, in bf16 in tiles of
+                # 16 queries, else each token as decode does (benchmarks/bench_attention.py).
+                cpu_kernels().paged_prefill_attention(q[rows], k_cache, v_cache, chunk.block_table,
+                                                      chunk.seq_lens, self.scale, out[rows])
                 continue
             if chunk.mask is None:  # nothing cached before this chunk: attend to itself only
                 keys, values = k[rows], v[rows]
