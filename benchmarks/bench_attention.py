@@ -1,8 +1,9 @@
 """Attention: the C++ paged kernel against torch's SDPA, on SmolLM2's shapes (9 query heads, 3 KV
 heads, head_dim 64, blocks of 16), one layer's call; x 30 is what the model's step spends in it.
 Decode, per batch size and context length: the kernel against the SDPA fallback (gather blocks +
-padding mask). Prefill of a fresh chunk, per length: the kernel (each query token over the cache
-up to its position) against causal SDPA on the chunk.
+padding mask). Prefill of a fresh chunk, per length: the kernel path (in bfloat16 tiles of 16
+queries, else each query token over the cache up to its position) against causal SDPA on the
+chunk, and the two kernels alone on the cache: tiled against per-token.
 
     python benchmarks/bench_attention.py
 """
@@ -62,9 +63,17 @@ def prefill_case(length: int, dtype: torch.dtype, repeats: int) -> dict:
         meta = AttentionMetadata(torch.arange(length), [chunk], length, None, None, None)
         timings[path] = seconds(lambda: attention.forward(q, k, v, k_cache, v_cache, meta),
                                 repeats)
+    kernels, seq_lens, out = cpu_kernels(), torch.arange(1, length + 1), torch.empty_like(q)
+    timings["prefill_kernel"] = seconds(lambda: kernels.paged_prefill_attention(
+        q, k_cache, v_cache, table, seq_lens, attention.scale, out), repeats)
+    timings["per_token"] = seconds(lambda: kernels.paged_decode_attention(
+        q, k_cache, v_cache, table.expand(length, -1), seq_lens, attention.scale, out), repeats)
     return {"prefill_len": length, "dtype": str(dtype)[6:], "kernel_ms": timings["kernel"] * 1e3,
             "sdpa_ms": timings["sdpa"] * 1e3, "kernel_ms_per_step": timings["kernel"] * 1e3 * LAYERS,
-            "speedup": timings["sdpa"] / timings["kernel"]}
+            "speedup": timings["sdpa"] / timings["kernel"],
+            "prefill_kernel_ms": timings["prefill_kernel"] * 1e3,
+            "per_token_kernel_ms": timings["per_token"] * 1e3,
+            "prefill_kernel_over_per_token": timings["per_token"] / timings["prefill_kernel"]}
 
 
 def main() -> None:
@@ -91,13 +100,14 @@ def main() -> None:
                   f"{r['sdpa_fallback_ms']:>9.3f}{r['speedup']:>9.1f}x"
                   f"{r['kernel_ms_per_step']:>15.1f}")
     print(f"\n{'dtype':<10}{'prefill':>8}{'kernel ms':>11}{'SDPA ms':>9}{'speed-up':>10}"
-          f"{'x30 layers ms':>15}")
+          f"{'x30 layers ms':>15}{'per-token ms':>14}{'prefill kernel':>16}")
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
         for length in (int(v) for v in args.prefill_lens.split(",")):
             r = prefill_case(length, dtype, max(2, args.repeats // 4))
             results.append(r)
             print(f"{r['dtype']:<10}{length:>8}{r['kernel_ms']:>11.2f}{r['sdpa_ms']:>9.2f}"
-                  f"{r['speedup']:>9.1f}x{r['kernel_ms_per_step']:>15.1f}")
+                  f"{r['speedup']:>9.1f}x{r['kernel_ms_per_step']:>15.1f}"
+                  f"{r['per_token_kernel_ms']:>14.2f}{r['prefill_kernel_over_per_token']:>15.2f}x")
     save_report(args.output_json, "bench_attention", torch_threads=torch.get_num_threads(),
                 results=results)
 
