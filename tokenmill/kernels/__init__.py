@@ -59,6 +59,7 @@ def _cpu_features() -> str:
     return platform.machine()
 
 
+@functools.cache  # bf16 `Linear.forward` asks on every call; /proc/cpuinfo took ~50 us to read
 def cpu_has_amx() -> bool:
     """Whether the CPU has AMX tiles for bf16, which torch's oneDNN products use: they change
     where the few-row kernels stop paying (model/layers.py)."""
