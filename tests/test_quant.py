@@ -25,7 +25,7 @@ from tokenmill.quant.int8 import Int8Linear
 from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedEmbedding, QuantizedLinear, own_kernels
 from tokenmill.quant.rotation import rotation_matrix, rotate_input, rotation_signs
 
-ROW_COUNTS = (1, 3, 8, 17, 64, 256)
+ROW_COUNTS = (1, 3, 8, 17, 37, 64, 256)
 PACKED, DEQUANTIZE = NO_ROW_LIMIT, 0  # packed_max_rows forcing one path at every row count
 
 
@@ -124,11 +124,13 @@ def activation_group(layer: QuantizedLinear, rows: int) -> int | None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", [PACKED, DEQUANTIZE, None], ids=["packed", "dequant", "auto"])
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("out_features", [96, 128])  # 128: int4's lanes_product from 33 rows
 def test_quantized_linear_matches_float_reference(dtype: torch.dtype, path: int | None,
-                                                  kernel: str) -> None:
+                                                  kernel: str, out_features: int) -> None:
     if kernel == "tokenmill" and dtype != torch.bfloat16:
         pytest.skip("tokenmill's kernels take bfloat16 activations")
-    weight, bias = random_weight(96, 576).to(dtype), torch.randn(96).to(dtype)
+    weight = random_weight(out_features, 576).to(dtype)
+    bias = torch.randn(out_features).to(dtype)
     tolerance = {torch.float32: 1e-4, torch.bfloat16: 5e-2}[dtype]
     for layer, twin in zip(layers(weight, bias, path, kernel), layers(weight, bias, DEQUANTIZE)):
         # The float reference: the same codes de-quantized, in a float GEMM (of x R and W R
@@ -137,7 +139,7 @@ def test_quantized_linear_matches_float_reference(dtype: torch.dtype, path: int 
         for rows in ROW_COUNTS:
             x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(dtype)
             out = layer(x)
-            assert out.dtype == dtype and out.shape == (rows, 96)
+            assert out.dtype == dtype and out.shape == (rows, out_features)
             expected = F.linear(twin.rotated(x), reference_weight, bias)
             group = activation_group(layer, rows)
             if group is not None:

@@ -111,6 +111,149 @@ torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int
   return out;
 }
 
+// The bias's entries as float, or 0 without one.
+struct Bias {
+  const c10::BFloat16* values;
+  explicit Bias(const c10::optional<torch::Tensor>& bias)
+      : values(bias ? bias->data_ptr<c10::BFloat16>() : nullptr) {}
+  float operator[](int64_t n) const { return values ? static_cast<float>(values[n]) : 0.f; }
+};
+
+// r[c] = column c of the 16 x 16 dwords whose row i is r[i].
+inline void transpose_16x16(__m512i r[16]) {
+  __m512i a[16], b[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 16; i += 2) {
+    a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 16; i += 4) {  // b[i + c]: in 128-bit lane L, column 4L + c of rows i..i+3
+    b[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
+    b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+    b[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
+    b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    const __m512i even_low = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88);
+    const __m512i odd_low = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xDD);
+    const __m512i even_high = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88);
+    const __m512i odd_high = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_i32x4(even_low, even_high, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(even_low, even_high, 0xDD);
+    r[4 + c] = _mm512_shuffle_i32x4(odd_low, odd_high, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(odd_low, odd_high, 0xDD);
+  }
+}
+
+// pairs[p * stride_out + i] = 32-bit pair p (values 2p, 2p + 1) of row i, for 16 rows of
+// `pair_count` pairs (a multiple of 16) `stride` dwords apart.
+inline void pairs_by_row(const uint32_t* rows, int64_t stride, int64_t pair_count,
+                         uint32_t* pairs, int64_t stride_out) {
+  for (int64_t p0 = 0; p0 < pair_count; p0 += 16) {
+    __m512i r[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows + i * stride + p0);
+    transpose_16x16(r);
+#pragma GCC unroll 16
+    for (int c = 0; c < 16; ++c) _mm512_storeu_si512(pairs + (p0 + c) * stride_out, r[c]);
+  }
+}
+
+// Outputs a block of lanes_product (16 a register) and rows of x a pass: 24 accumulators.
+constexpr int64_t kLaneVectors = 4, kLaneRows = 6, kLaneOutputs = 16 * kLaneVectors;
+// Rows of x from which lanes_product multiplies widened int4 codes (linear_quant.cpp) instead of
+// the dot-product tiles: a decode pass of SmolLM2's 30 int4 layers, alternating the two in one
+// process on the AMD VM, took 26.3 against 26.9 ms at 32 rows, 34.7 against 38.5 at 48, 43.0
+// against 49.8 at 64 and 143.5 against 190.3 at 256; at 17 rows the tiles won (16.4 against
+// 17.6). Widening a block of W and turning it into pairs costs the same at any row count.
+constexpr int64_t kLanesMinRows = 33;
+
+// out rows 0..MT-1 = x pairs of each row (broadcast) . W pairs [pair_count][kLaneOutputs] + bias.
+template <int MT>
+inline void lanes_tile(const uint32_t* x_pairs, int64_t pair_count, const uint32_t* w_pairs,
+                       const float* bias, uint16_t* out, int64_t out_stride) {
+  __m512 acc[MT][kLaneVectors];
+#pragma GCC unroll 12
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < kLaneVectors; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pair_count; ++p) {
+    __m512bh w[kLaneVectors];
+#pragma GCC unroll 4
+    for (int v = 0; v < kLaneVectors; ++v)
+      w[v] = (__m512bh)_mm512_loadu_si512(w_pairs + p * kLaneOutputs + 16 * v);
+#pragma GCC unroll 12
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(x_pairs[m * pair_count + p]);
+#pragma GCC unroll 4
+      for (int v = 0; v < kLaneVectors; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], w[v], xb);
+    }
+  }
+#pragma GCC unroll 12
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < kLaneVectors; ++v)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * out_stride + 16 * v),
+                          (__m256i)_mm512_cvtneps_pbh(
+                              _mm512_add_ps(acc[m][v], _mm512_loadu_ps(bias + 16 * v))));
+}
+
+// x W^T + b with the outputs in the lanes: for each block of kLaneOutputs rows of W,
+// `widen(n0, rows)` writes rows n0.. as bfloat16, `width` values each, into rows
+// [kLaneOutputs, width]; they become pairs [width / 2][kLaneOutputs], and each row of x meets
+// them through VDPBF16PS on its pairs broadcast: a load of W serves kLaneRows rows and a
+// broadcast of x kLaneVectors registers, with no horizontal sums, where the dot-product tiles
+// load W once for four rows and sum lanes at the end. x [M, K], K <= width (past K, x counts as
+// zero) and even; width a multiple of 32; out_features a multiple of kLaneOutputs. Each output is
+// rounded once, after the bias.
+template <typename Widen>
+torch::Tensor lanes_product(const torch::Tensor& x, int64_t out_features, int64_t width,
+                            Widen widen, const Bias& bias) {
+  const int64_t rows = x.size(0), in_features = x.size(1), pair_count = width / 2;
+  TORCH_CHECK(in_features % 2 == 0 && in_features <= width && width % 32 == 0 &&
+                  out_features % kLaneOutputs == 0,
+              "lanes_product: K even, W rows a multiple of 32");
+  std::vector<uint32_t> x_pairs(rows * pair_count, 0);  // x's rows, zero past K
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  for (int64_t m = 0; m < rows; ++m)
+    std::memcpy(x_pairs.data() + m * pair_count, xs + m * x.stride(0),
+                in_features * sizeof(uint16_t));
+  auto out = torch::empty({rows, out_features}, x.options());
+  auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, out_features / kLaneOutputs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> widened(kLaneOutputs * width);
+    std::vector<uint32_t> w_pairs(pair_count * kLaneOutputs);
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t n0 = block * kLaneOutputs;
+      widen(n0, widened.data());
+      for (int64_t v = 0; v < kLaneVectors; ++v)
+        pairs_by_row(reinterpret_cast<const uint32_t*>(widened.data() + 16 * v * width),
+                     pair_count, pair_count, w_pairs.data() + 16 * v, kLaneOutputs);
+      float bias_values[kLaneOutputs];
+      for (int64_t i = 0; i < kLaneOutputs; ++i) bias_values[i] = bias[n0 + i];
+      for (int64_t m0 = 0; m0 < rows; m0 += kLaneRows) {
+        const uint32_t* xp = x_pairs.data() + m0 * pair_count;
+        uint16_t* y = ys + m0 * out_features + n0;
+        const int64_t count = std::min(kLaneRows, rows - m0);
+        switch (count) {
+#define TOKENMILL_LANES_CASE(MT) \
+  case MT: lanes_tile<MT>(xp, pair_count, w_pairs.data(), bias_values, y, out_features); break;
+          TOKENMILL_LANES_CASE(1) TOKENMILL_LANES_CASE(2) TOKENMILL_LANES_CASE(3)
+          TOKENMILL_LANES_CASE(4) TOKENMILL_LANES_CASE(5) TOKENMILL_LANES_CASE(6)
+          TOKENMILL_LANES_CASE(7) TOKENMILL_LANES_CASE(8) TOKENMILL_LANES_CASE(9)
+          TOKENMILL_LANES_CASE(10) TOKENMILL_LANES_CASE(11)
+#undef TOKENMILL_LANES_CASE
+          default: lanes_tile<kLaneRows>(xp, pair_count, w_pairs.data(), bias_values, y,
+                                            out_features);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // few_rows_product's `multiply` for bfloat16 x [M, in_features] and rows of W laid out as `tile`
 // reads them: as they lie, w_stride apart, by default.
 struct BFloat16Rows {
@@ -130,13 +273,6 @@ void check_few_rows_input(const torch::Tensor& x, const c10::optional<torch::Ten
                         bias->numel() == out_features), name, ": bias [N] bfloat16");
 }
 
-// The bias's entries as float, or 0 without one.
-struct Bias {
-  const c10::BFloat16* values;
-  explicit Bias(const c10::optional<torch::Tensor>& bias)
-      : values(bias ? bias->data_ptr<c10::BFloat16>() : nullptr) {}
-  float operator[](int64_t n) const { return values ? static_cast<float>(values[n]) : 0.f; }
-};
 #endif
 
 }  // namespace

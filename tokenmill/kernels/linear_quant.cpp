@@ -412,9 +412,22 @@ struct Int4Weights {
   }
 
   // Each block of W widened to bfloat16 once for every row of x (already rotated). `tiles`:
-  // multiplied on AMX tiles (linear_amx.cpp), else by linear_bf16.cpp's tile.
-  torch::Tensor widened_product(const torch::Tensor& x, bool tiles) const {
+  // multiplied on AMX tiles (linear_amx.cpp); else from kLanesMinRows rows, where `lanes` allows
+  // (not for gguf's exact layers: they sum as linear_bf16's tile does), by lanes_product; else
+  // by linear_bf16.cpp's tile.
+  torch::Tensor widened_product(const torch::Tensor& x, bool tiles, bool lanes) const {
     const torch::Tensor xo = group_size % 64 == 0 ? fused_order(x, padded, group_size, groups) : x;
+    if (!tiles && lanes && x.size(0) >= kLanesMinRows && out_features % kLaneOutputs == 0 &&
+        padded % 32 == 0)
+      return lanes_product(
+          xo, out_features, padded,
+          [&](int64_t n0, uint16_t* rows) {
+            for (int64_t r = 0; r < kLaneOutputs; r += kWeightRows)
+              widen_int4_rows(codes + (n0 + r) * padded / 2, scales + (n0 + r) * groups,
+                              mins + (n0 + r) * groups, padded, group_size, groups,
+                              rows + r * padded);
+          },
+          bias);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (tiles)
       return amx_product(
@@ -546,7 +559,8 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const bool tiles = x.size(0) > kInt8ActivationMaxRowsWithAmx &&
                      use_amx(x.size(0), w.out_features, w.padded);
   if (tiles || x.size(0) > kInt8ActivationMaxRows)
-    return w.widened_product(rotation_signs ? hadamard_rotate(x, *rotation_signs) : x, tiles);
+    return w.widened_product(rotation_signs ? hadamard_rotate(x, *rotation_signs) : x, tiles,
+                             true);
   const Int4Activations activations(
       x, w.padded, group_size, w.groups,
       rotation_signs ? rotation_signs->data_ptr<float>() : nullptr);
@@ -575,7 +589,7 @@ torch::Tensor linear_int4_exact(torch::Tensor x, torch::Tensor codes, torch::Ten
 #if defined(__AVX512BF16__)
   const Int4Weights w(x, codes, scales, mins, 32, bias, "linear_int4_exact");
   TORCH_CHECK(w.padded == x.size(1), "linear_int4_exact: K a multiple of 32, no padding");
-  return w.widened_product(x, use_amx(x.size(0), w.out_features, w.padded));  // as linear_bf16 does
+  return w.widened_product(x, use_amx(x.size(0), w.out_features, w.padded), false);  // as linear_bf16 does
 #else
   TORCH_CHECK(false, "linear_int4_exact: built without AVX-512 BF16");
   return x;
