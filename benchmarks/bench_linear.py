@@ -95,11 +95,11 @@ def main() -> None:
             print(f"{rows:>5}{out_features:>7}{in_features:>6}{torch_s * 1e6:>10.0f}"
                   f"{kernel_s * 1e6:>11.0f}{torch_s / kernel_s:>9.2f}x"
                   f"{packed_s * 1e6:>11.0f}{torch_s / packed_s:>9.2f}x")
-    step_rows = [int(r) for r in args.step_rows.split(",") if r]
+    step_rows, step = [int(r) for r in args.step_rows.split(",") if r], []
     if step_rows:
         print(f"\n{LAYERS} layers' products, weights streamed\n{'rows':>5}{'kernel ms':>12}"
               f"{'packed ms':>12}{'kernel wins':>12}")
-    step = step_products(step_rows, args.step_rounds) if step_rows else []
+        step = step_products(step_rows, args.step_rounds)
     save_report(args.output_json, "bench_linear", torch_threads=torch.get_num_threads(),
                 results=results, decode_step_products=step)
 

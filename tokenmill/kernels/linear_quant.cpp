@@ -589,7 +589,8 @@ torch::Tensor linear_int4_exact(torch::Tensor x, torch::Tensor codes, torch::Ten
 #if defined(__AVX512BF16__)
   const Int4Weights w(x, codes, scales, mins, 32, bias, "linear_int4_exact");
   TORCH_CHECK(w.padded == x.size(1), "linear_int4_exact: K a multiple of 32, no padding");
-  return w.widened_product(x, use_amx(x.size(0), w.out_features, w.padded), false);  // as linear_bf16 does
+  // As linear_bf16 does: never lanes_product, whose sums run in another order.
+  return w.widened_product(x, use_amx(x.size(0), w.out_features, w.padded), false);
 #else
   TORCH_CHECK(false, "linear_int4_exact: built without AVX-512 BF16");
   return x;

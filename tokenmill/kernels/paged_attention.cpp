@@ -381,7 +381,8 @@ constexpr int64_t kQueryTile = 16;
 // permutes put the dimensions back in order.
 inline void tiled_values(const c10::BFloat16* rows, int64_t stride, int64_t count,
                          int64_t head_dim, uint32_t* pairs) {
-  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i first_half =
+      _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second_half =
       _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t k = 0; 2 * k < count; ++k) {
@@ -391,7 +392,8 @@ inline void tiled_values(const c10::BFloat16* rows, int64_t stride, int64_t coun
       const __m512i a = _mm512_loadu_si512(first + c);
       const __m512i b = 2 * k + 1 < count ? _mm512_loadu_si512(second + c) : _mm512_setzero_si512();
       const __m512i low = _mm512_unpacklo_epi16(a, b), high = _mm512_unpackhi_epi16(a, b);
-      _mm512_storeu_si512(pairs + k * head_dim + c, _mm512_permutex2var_epi32(low, first_half, high));
+      _mm512_storeu_si512(pairs + k * head_dim + c,
+                          _mm512_permutex2var_epi32(low, first_half, high));
       _mm512_storeu_si512(pairs + k * head_dim + c + 16,
                           _mm512_permutex2var_epi32(low, second_half, high));
     }
@@ -457,7 +459,8 @@ struct QueryTile {
       const __m512 alpha = exp16(_mm512_sub_ps(old_max, top));
       total = _mm512_mul_ps(total, alpha);
       for (int i = 0; i < D; ++i)
-        _mm512_store_ps(acc + i * kQueryTile, _mm512_mul_ps(_mm512_load_ps(acc + i * kQueryTile), alpha));
+        _mm512_store_ps(acc + i * kQueryTile,
+                        _mm512_mul_ps(_mm512_load_ps(acc + i * kQueryTile), alpha));
       _mm512_store_ps(max, top);
     }
     __m512i weights[kRun / 2];  // (key 2k, key 2k + 1) per lane, bfloat16
@@ -595,13 +598,15 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
       q.dim() == 3 && (q.size(2) == 64 || q.size(2) == 128) && q.size(0) > 0) {
-    TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [Tq, H, D] with contiguous heads");
+    TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2),
+                "q: [Tq, H, D] with contiguous heads");
     TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() &&
                     out.scalar_type() == q.scalar_type(), "out: contiguous, q's shape and dtype");
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
                     v_cache.scalar_type() == torch::kBFloat16 && k_cache.size(3) == q.size(2),
                 "caches: contiguous bfloat16 [num_blocks, block_size, Hkv, D]");
-    TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
+    TORCH_CHECK(block_table.scalar_type() == torch::kInt64 &&
+                    seq_lens.scalar_type() == torch::kInt64,
                 "block_table and seq_lens must be int64");
     block_table = block_table.contiguous();
     seq_lens = seq_lens.contiguous();
