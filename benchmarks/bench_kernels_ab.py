@@ -1,15 +1,19 @@
-"""This checkout's int8 and int4 product kernels against another commit's, in one process.
+"""This checkout's int8 and int4 product kernels, or its decode attention, against another commit's,
+in one process.
 
 This VM's run-to-run noise (single-stream decode moves 10 to 40% between runs) hides a 10 to 15%
 change in a kernel, so both builds are timed in one process, interleaved, on the same weights.
 A pass calls every decode product of SmolLM2 in model order (30 layers of qkv, o, gate_up and
 down, then the lm_head), each with its own random weight, so every weight comes from memory as
 in decode; int4 layers are group 128 with rotated inputs, as `gptq-hadamard` makes them (the
-lm_head without). The builds take turns going first; the figure is the median pass, in ms. The
-other commit's kernels are built from its `tokenmill/kernels` sources, with this checkout's
-flags.
+lm_head without). The `attention` format instead runs bf16 decode attention over 30 layers' own
+KV caches (SmolLM2's heads, blocks of 16), `--rows` sequences of 84 to 364 cached tokens (the
+prompts of bench_engine.py plus half their output), so the cache comes from memory as in a decode
+step. The builds take turns going first; the figure is the median pass, in ms. The other
+commit's kernels are built from its `tokenmill/kernels` sources, with this checkout's flags.
 
     python benchmarks/bench_kernels_ab.py --against 12e58c7 --rows 1,32
+    python benchmarks/bench_kernels_ab.py --against 10226fd --formats attention --rows 32,64
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -37,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO_ROOT, save_report  # noqa: E402
 
 LAYERS = 30
+# SmolLM2's attention: query heads, KV heads, head_dim; the engine's block size
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 # (out, in) of qkv, o, gate_up and down
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LM_HEAD = (49152, 576)
@@ -70,6 +77,30 @@ def model_layers(quantization: str) -> list[QuantizedLinear]:
     return layers
 
 
+def products_pass(quantization: str, rows: int) -> Callable[[ModuleType], None]:
+    """One decode step's products in model order, each with its own weight."""
+    layers = model_layers(quantization)
+    inputs = {k: torch.randn(rows, k).bfloat16() for k in {l.in_features for l in layers}}
+    return lambda kernels: [product(kernels, l, inputs[l.in_features]) for l in layers]
+
+
+def attention_pass(batch: int) -> Callable[[ModuleType], None]:
+    """One decode step's attention: 30 layers, each over its own bf16 KV cache."""
+    lengths = torch.randint(84, 365, (batch,))
+    blocks = (lengths + BLOCK - 1) // BLOCK
+    tables = torch.zeros(batch, int(blocks.max()), dtype=torch.long)
+    for b, start in enumerate((blocks.cumsum(0) - blocks).tolist()):
+        tables[b, :blocks[b]] = torch.arange(start, start + int(blocks[b]))
+    shape = (int(blocks.sum()), BLOCK, KV_HEADS, HEAD_DIM)
+    caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16())
+              for _ in range(LAYERS)]
+    q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
+    out = torch.empty_like(q)
+    return lambda kernels: [kernels.paged_decode_attention(q, k, v, tables, lengths,
+                                                           HEAD_DIM ** -0.5, out)
+                            for k, v in caches]
+
+
 def product(kernels: ModuleType, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     """layer(x) by `kernels`' packed product, as the layer's own packed_matmul calls it."""
     if isinstance(layer, Int8Linear):
@@ -93,16 +124,15 @@ def main() -> None:
     torch.manual_seed(0)
     results = []
     for quantization in args.formats.split(","):
-        layers = model_layers(quantization)
         for rows in (int(r) for r in args.rows.split(",")):
-            inputs = {k: torch.randn(rows, k).bfloat16() for k in {l.in_features for l in layers}}
+            run = attention_pass(rows) if quantization == "attention" \
+                else products_pass(quantization, rows)
             passes: dict[str, list[float]] = {name: [] for name in builds}
             for index in range(args.passes + 1):  # the first pass warms up
                 # Each build goes first in every other pass: the second in a pass ran ~5% faster.
                 for name, kernels in list(builds.items())[::1 if index % 2 else -1]:
                     start = time.perf_counter()
-                    for layer in layers:
-                        product(kernels, layer, inputs[layer.in_features])
+                    run(kernels)
                     passes[name].append((time.perf_counter() - start) * 1e3)
             medians = {name: statistics.median(times[1:]) for name, times in passes.items()}
             results.append({"quantization": quantization, "rows": rows, "median_ms": medians,
@@ -110,7 +140,7 @@ def main() -> None:
             print(f"{quantization} rows={rows:>3}: " + ", ".join(
                 f"{name} {ms:.2f} ms" for name, ms in medians.items()) +
                 f"  ({medians['this checkout'] / medians[args.against]:.2f}x the time)")
-        del layers
+            del run
     save_report(args.output_json, "bench_kernels_ab", against=args.against,
                 torch_threads=torch.get_num_threads(), passes=args.passes, results=results)
 

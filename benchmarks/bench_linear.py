@@ -1,7 +1,7 @@
 """The AVX-512 BF16 few-rows kernel and oneDNN's product on a packed W (what `Linear` runs past
 FEW_ROWS_MAX) against torch's bf16 product (F.linear), per row count, on SmolLM2's shapes; it sets
-FEW_ROWS_MAX in tokenmill/model/layers.py (one value for CPUs with AMX, where torch
-multiplies on AMX tiles, one for those without). Those products reuse one W, which stays in cache;
+FEW_ROWS_MAX in tokenmill/model/layers.py (with AMX the kernel and oneDNN both multiply on AMX
+tiles from 3 rows). Those products reuse one W, which stays in cache;
 a second table times what a decode step does instead: the decoder's four products for each of
 SmolLM2's 30 layers, every layer its own W (212 MB, streamed from memory), the few-rows kernel
 against the packed product in alternating rounds (the median of --step-rounds).

@@ -139,11 +139,13 @@ PACKED_ROWS_HINT = 64
 # before W was packed): 1.8 to 5.9x faster at one row; at 32, 1.17 to 1.42x on the layers' shapes
 # and 0.96x on the lm_head; from 48 to 64 rows 0.84 to 1.27x. With AMX the kernel runs up to 2
 # rows on VDPBF16PS and from 3 on AMX tiles (kernels/linear_amx.cpp), where oneDNN multiplies on
-# AMX tiles too (results/linear_bf16-amx-tiles.json, against the packed product): 1.5 to 2.2x
-# the packed product from 4 to 16 rows on the layers' shapes (the lm_head 1.05 to 1.14x), 1.2 to
-# 1.3x at 32, 1.0x at 64 (the lm_head 0.88x), and from 128 rows it loses.
+# AMX tiles too: 1.4x oneDNN's packed product at 8 and 16 rows with a decode step's weights
+# streamed, 1.16x at 32, 0.96x at 48 and 64, and the lm_head 0.69x at 64 rows
+# (results/linear_bf16-amx-10226fd.json). 32 there instead of 64: the 64-sequence bf16 engine run
+# 894.5 / 897.6 / 922.4 -> 922.6 / 911.8 / 934.8 tokens/s (bench_engine.py --engines tokenmill,
+# the two alternating, session 17).
 # gguf's exact layers (quant/gguf.py) take their codes to the same kernel up to here.
-FEW_ROWS_MAX = 64 if cpu_has_amx() else 32
+FEW_ROWS_MAX = 32
 
 
 def _few_rows_kernel(weight: torch.Tensor) -> bool:
