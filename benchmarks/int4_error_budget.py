@@ -27,10 +27,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from pydoc_data.topics import topics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from tokenmill.model.layers import RotaryEmbedding  # noqa: E402
+from tokenmill.eval.perplexity import documentation_tokens  # noqa: E402
+from tokenmill.eval.report import EvalOptions  # noqa: E402
+from tokenmill.model.layers import RotaryEmbedding, rms_norm, rotate_half  # noqa: E402
 from tokenmill.model.llama import LlamaForCausalLM  # noqa: E402
 from tokenmill.model.loader import DEFAULT_MODEL, load_model  # noqa: E402
 from tokenmill.quant.apply import quantize_model  # noqa: E402
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save_report  # noqa: E402
 
 PARTS = ("self_attn.qkv", "self_attn.o_proj", "mlp.gate_up", "mlp.down")
-NUM_TOKENS, WINDOW = 4096, 1024  # tokenmill eval's defaults
+NUM_TOKENS, WINDOW = EvalOptions().num_tokens, EvalOptions().window  # tokenmill eval's defaults
 TOKENS_PER_STEP = 512
 LEARNING_RATE = 2e-3
 
@@ -119,12 +120,7 @@ class Forward:
         return products["lm_head"](self.norm(x, self.final_norm))
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-
-
-def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+        return rms_norm(x, weight, self.config.rms_norm_eps)
 
 
 def padded_batches(sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -171,8 +167,7 @@ def main() -> None:
     quantize_model(model, "int4", args.group_size, loaded, args.quant_method)
     int4_products = {name: Int4Product(model.get_submodule(name)) for name in names}
     forward = Forward(model)
-    text = "\n\n".join(topics[key] for key in sorted(topics))
-    windows = torch.tensor(loaded.tokenizer.encode(text[:NUM_TOKENS * 8])[:NUM_TOKENS]).view(
+    windows = torch.tensor(documentation_tokens(loaded.tokenizer.encode, NUM_TOKENS)).view(
         -1, WINDOW)
 
     def int4_embedding() -> torch.Tensor:
@@ -202,8 +197,9 @@ def main() -> None:
     for part in PARTS:
         report(f"{part}, every layer", {n for n in names if n.endswith(part)}, float_embedding)
     num_layers = len(model.layers)
-    for start in range(0, num_layers, max(1, num_layers // 6)):
-        end = min(num_layers, start + max(1, num_layers // 6))
+    span = max(1, num_layers // 6)  # six groups of layers
+    for start in range(0, num_layers, span):
+        end = min(num_layers, start + span)
         report(f"layers {start}-{end - 1}", {n for n in names[:-1]
                                              if start <= int(n.split(".")[1]) < end},
                float_embedding)

@@ -9,6 +9,7 @@ measurement runs the serving path: chunked prefill, the paged and possibly int8 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from pydoc_data.topics import topics
 
@@ -17,9 +18,10 @@ from tokenmill import LLM, SamplingParams
 CHARS_PER_TOKEN_BOUND = 8  # tokenizing a prefix this many characters a token is always enough
 
 
-def documentation_tokens(llm: LLM, num_tokens: int) -> list[int]:
+def documentation_tokens(tokenize: Callable[[str], list[int]], num_tokens: int) -> list[int]:
+    """The slice's tokens by `tokenize` (the engine's, or its tokenizer's encode)."""
     text = "\n\n".join(topics[key] for key in sorted(topics))
-    tokens = llm.engine.tokenize(text[:num_tokens * CHARS_PER_TOKEN_BOUND])
+    tokens = tokenize(text[:num_tokens * CHARS_PER_TOKEN_BOUND])
     if len(tokens) < num_tokens:
         raise ValueError(f"invalid eval option num_tokens={num_tokens}: the text has fewer")
     return tokens[:num_tokens]

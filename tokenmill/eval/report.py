@@ -113,7 +113,8 @@ def run_eval(base: EngineConfig, reference: EvalConfig, configs: list[EvalConfig
     for config in ordered:
         llm = LLM.from_engine(LLMEngine(config.engine_config(base), loaded))
         if inputs is None:
-            inputs = _Inputs(documentation_tokens(llm, options.num_tokens),
+            inputs = _Inputs(documentation_tokens(llm.engine.tokenize,
+                                                  options.num_tokens),
                              reference_continuations(llm, options.agreement_prompts,
                                                      options.agreement_tokens),
                              load_questions(options.max_questions))

@@ -184,11 +184,16 @@ class RMSNorm(nn.Module):
             return kernels.rms_norm(residual, x, self.weight, self.eps), residual
         if residual is not None:
             return self(residual.add_(x)), residual
-        # Computed in fp32 like the reference implementation, so bf16 models keep their accuracy.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in plain PyTorch (any shape, differentiable); computed in fp32 like the reference
+    implementation, so bf16 models keep their accuracy."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -216,6 +221,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     if kernels is not None:
         kernels.rotary_(x, cos, sin)
         return x
+    return rotate_half(x, cos, sin)
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding in plain PyTorch, out of place: x [..., head_dim] with cos and sin
+    broadcasting to it."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
