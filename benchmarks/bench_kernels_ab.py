@@ -1,12 +1,13 @@
-"""This checkout's int8 and int4 product kernels, or its decode attention, against another commit's,
-in one process.
+"""This checkout's bf16, int8 and int4 product kernels, or its decode attention, against another
+commit's, in one process.
 
 This VM's run-to-run noise (single-stream decode moves 10 to 40% between runs) hides a 10 to 15%
 change in a kernel, so both builds are timed in one process, interleaved, on the same weights.
 A pass calls every decode product of SmolLM2 in model order (30 layers of qkv, o, gate_up and
 down, then the lm_head), each with its own random weight, so every weight comes from memory as
-in decode; int4 layers are group 128 with rotated inputs, as `gptq-hadamard` makes them (the
-lm_head without). The `attention` format instead runs bf16 decode attention over 30 layers' own
+in decode; bf16 weights go to linear_bf16 as they lie (its few-row tiles, or AMX tiles from 3
+rows), int4 layers are group 128 with rotated inputs, as `gptq-hadamard` makes them (the lm_head
+without). The `attention` format instead runs bf16 decode attention over 30 layers' own
 KV caches (SmolLM2's heads, blocks of 16), `--rows` sequences of 84 to 364 cached tokens (the
 prompts of bench_engine.py plus half their output), so the cache comes from memory as in a decode
 step. The builds take turns going first; the figure is the median pass, in ms. The other
@@ -64,12 +65,14 @@ def kernels_at(revision: str) -> ModuleType:
                        functions=functions, extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
 
 
-def model_layers(quantization: str) -> list[QuantizedLinear]:
+def model_layers(quantization: str) -> list[QuantizedLinear | torch.Tensor]:
     shapes = LAYER_SHAPES * LAYERS + [LM_HEAD]
     layers = []
     for index, (out_features, in_features) in enumerate(shapes):
         weight = torch.randn(out_features, in_features).bfloat16()
-        if quantization == "int8":
+        if quantization == "bf16":
+            layers.append(weight)
+        elif quantization == "int8":
             layers.append(Int8Linear.quantize(weight))
         else:
             rotation = rotation_signs(in_features) if index < len(shapes) - 1 else None
@@ -80,8 +83,12 @@ def model_layers(quantization: str) -> list[QuantizedLinear]:
 def products_pass(quantization: str, rows: int) -> Callable[[ModuleType], None]:
     """One decode step's products in model order, each with its own weight."""
     layers = model_layers(quantization)
-    inputs = {k: torch.randn(rows, k).bfloat16() for k in {l.in_features for l in layers}}
-    return lambda kernels: [product(kernels, l, inputs[l.in_features]) for l in layers]
+    inputs = {k: torch.randn(rows, k).bfloat16() for k in {width(l) for l in layers}}
+    return lambda kernels: [product(kernels, l, inputs[width(l)]) for l in layers]
+
+
+def width(layer: QuantizedLinear | torch.Tensor) -> int:
+    return layer.shape[1] if isinstance(layer, torch.Tensor) else layer.in_features
 
 
 def attention_pass(batch: int) -> Callable[[ModuleType], None]:
@@ -101,8 +108,12 @@ def attention_pass(batch: int) -> Callable[[ModuleType], None]:
                             for k, v in caches]
 
 
-def product(kernels: ModuleType, layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x) by `kernels`' packed product, as the layer's own packed_matmul calls it."""
+def product(kernels: ModuleType, layer: QuantizedLinear | torch.Tensor, x: torch.Tensor
+            ) -> torch.Tensor:
+    """layer(x) by `kernels`' product, as the layer's own packed_matmul (or a bf16 W's
+    Linear on this CPU, as W lies) calls it."""
+    if isinstance(layer, torch.Tensor):
+        return kernels.linear_bf16(x, layer, None)
     if isinstance(layer, Int8Linear):
         return kernels.linear_int8(x, layer.codes, layer.kernel_scales, layer.bias)
     return kernels.linear_int4(x, layer.codes, layer.scales, layer.mins, layer.group_size,

@@ -36,10 +36,14 @@ inline void store_sums(const __m512 acc[kWeightRows], float out[kWeightRows]) {
 // 32 and w_stride their length (a decoded W may be padded to whole quantization groups);
 // interleaved rows (interleave_bf16 in model/layers.py) have w_stride 32 and chunk_stride 128.
 // Masked loads throughout (full masks but for the tail) keep the loop branch-free, so the
-// compiler holds the accumulators in registers instead of spilling them every step.
+// compiler holds the accumulators in registers instead of spilling them every step. With
+// `ahead` (the next tile's rows, laid out as w's), each chunk read asks for the same chunk of the
+// next rows: spread so, rather than a burst a tile (kernels/prefetch.cpp), SmolLM2's products
+// at one row took 0.79-0.87x the time (benchmarks/bench_kernels_ab.py --formats bf16, AMX VM).
 template <int MT>
 inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t w_stride,
-                 int64_t chunk_stride, int64_t in_features, float out[kInputRows][kWeightRows]) {
+                 int64_t chunk_stride, int64_t in_features, float out[kInputRows][kWeightRows],
+                 const uint16_t* ahead = nullptr) {
   __m512 acc[MT][kWeightRows];
 #pragma GCC unroll 4
   for (int m = 0; m < MT; ++m)
@@ -53,6 +57,11 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t
 #pragma GCC unroll 4
     for (int n = 0; n < kWeightRows; ++n)
       weights[n] = _mm512_maskz_loadu_epi16(mask, w + n * w_stride + k / 32 * chunk_stride);
+    if (ahead != nullptr)
+#pragma GCC unroll 4
+      for (int n = 0; n < kWeightRows; ++n)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + n * w_stride + k / 32 * chunk_stride),
+                     _MM_HINT_T1);
 #pragma GCC unroll 4
     for (int m = 0; m < MT; ++m) {
       const __m512i inputs = _mm512_maskz_loadu_epi16(mask, x + m * x_stride + k);
@@ -255,13 +264,16 @@ torch::Tensor lanes_product(const torch::Tensor& x, int64_t out_features, int64_
 }
 
 // few_rows_product's `multiply` for bfloat16 x [M, in_features] and rows of W laid out as `tile`
-// reads them: as they lie, w_stride apart, by default.
+// reads them: as they lie, w_stride apart, by default. `spread`, for rows as they lie only: the
+// first pass over a tile's rows asks for the next tile's as it goes.
 struct BFloat16Rows {
   int64_t w_stride, in_features, chunk_stride = 32;
+  bool spread = false;
   template <typename MT>
-  void operator()(MT, const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t,
+  void operator()(MT, const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t m0,
                   float sums[kInputRows][kWeightRows]) const {
-    tile<MT::value>(x, x_stride, w, w_stride, chunk_stride, in_features, sums);
+    tile<MT::value>(x, x_stride, w, w_stride, chunk_stride, in_features, sums,
+                    spread && m0 == 0 ? w + kWeightRows * w_stride : nullptr);
   }
 };
 
@@ -321,11 +333,9 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
         [&](int64_t n0, int64_t, uint16_t*) { return ws + n0 * in_features; }, nullptr,
         b.values);
 #endif
-  return few_rows_product(
-      x, out_features, 0, rows_at, BFloat16Rows{in_features, in_features}, finish,
-      [&](int64_t n0) {
-        prefetch_bytes(ws + n0 * in_features, kWeightRows * in_features * sizeof(uint16_t));
-      });
+  return few_rows_product(x, out_features, 0, rows_at,
+                          BFloat16Rows{in_features, in_features, 32, true}, finish,
+                          [](int64_t) {});
 #else
   TORCH_CHECK(false, "linear_bf16: built without AVX-512 BF16");
   return x;

@@ -299,26 +299,46 @@ inline void in_dimension_order(float* acc, int64_t n) {
 }
 #endif
 
-// Calls fn(t, rows, room, count) for each run of a sequence's first `len` cached tokens that lies
-// in one block: `count` tokens from token t, `room` rows before the block ends. A token's KV heads
-// are adjacent, so the walk reads the pool sequentially. While the last block is read, the block
-// at `then` is asked for: the first of what the caller reads next (the sequence's V after its K,
-// the next sequence's K after V), which had started cold. 64 sequences over 30 layers' caches
-// from memory, AMX VM (benchmarks/bench_kernels_ab.py --formats attention, three runs): 29.2 ->
-// 28.5, 26.5 -> 25.4 and 30.2 -> 29.0 ms a step, 3 to 4% less.
+// The lines a run's reader asks for while it works: its share of the block read after this one.
+// The reader spreads them over its work (`part`), a few lines at a time: a block's 96 lines asked
+// for at once filled the core's miss buffers, stalling the loop that asked, and nothing was read
+// meanwhile (kernels/prefetch.cpp). 30 layers' attention of 64 sequences from memory, AMX VM:
+// 0.77-0.79x the time, spread over the heads (benchmarks/bench_kernels_ab.py --formats
+// attention); spread over every row of V instead, 1.01-1.07x that.
+struct Ahead {
+  const char* start = nullptr;
+  int64_t bytes = 0;
+  // Slice i of n of the share.
+  void part(int64_t i, int64_t n) const {
+    if (start == nullptr) return;
+    const int64_t from = bytes * i / n;
+    prefetch_bytes(start + from, bytes * (i + 1) / n - from);
+  }
+};
+
+// Calls fn(t, rows, room, count, ahead) for each run of a sequence's first `len` cached tokens
+// that lies in one block: `count` tokens from token t, `room` rows before the block ends. A
+// token's KV heads are adjacent, so the walk reads the pool sequentially. The block's runs share
+// out the next block between them as `ahead` (blocks lie anywhere in the pool); during the last
+// block, the block at `then`: the first of what the caller reads next (the sequence's V after
+// its K, the next sequence's K after V), which had started cold. 64 sequences over 30 layers'
+// caches from memory, AMX VM (benchmarks/bench_kernels_ab.py --formats attention, three runs):
+// 29.2 -> 28.5, 26.5 -> 25.4 and 30.2 -> 29.0 ms a step, 3 to 4% less.
 template <typename T, typename Fn>
 inline void for_each_run(const T* cache, const int64_t* table, int64_t len, int64_t block_size,
                          int64_t token_stride, int64_t run, Fn fn, const T* then = nullptr) {
   const int64_t block_bytes = block_size * token_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t runs = (block_size + run - 1) / run;
   for (int64_t block = 0, t = 0; t < len; ++block) {
     const T* tokens = cache + table[block] * block_size * token_stride;
-    if (t + block_size < len)  // the next block, while this one is read: blocks lie anywhere
-      prefetch_bytes(cache + table[block + 1] * block_size * token_stride, block_bytes);
-    else if (then != nullptr)  // the last block: what the caller reads next
-      prefetch_bytes(then, block_bytes);
-    for (int64_t offset = 0; offset < block_size && t < len; offset += run) {
+    const T* next = t + block_size < len ? cache + table[block + 1] * block_size * token_stride
+                                         : then;
+    for (int64_t offset = 0, r = 0; offset < block_size && t < len; offset += run, ++r) {
       const int64_t count = std::min({run, block_size - offset, len - t});
-      fn(t, tokens + offset * token_stride, block_size - offset, count);
+      const Ahead ahead = next == nullptr ? Ahead{}
+          : Ahead{reinterpret_cast<const char*>(next) + block_bytes * r / runs,
+                  block_bytes * (r + 1) / runs - block_bytes * r / runs};
+      fn(t, tokens + offset * token_stride, block_size - offset, count, ahead);
       t += count;
     }
   }
@@ -348,8 +368,9 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
       load_row(q + b * q_token_stride, num_heads * head_dim, queries.data());
       scores.resize(num_heads * len);  // [head][t]
       for_each_run(k_cache, table, len, block_size, token_stride, run,
-                   [&](int64_t t, const T* tokens, int64_t room, int64_t count) {
+                   [&](int64_t t, const T* tokens, int64_t room, int64_t count, const Ahead& ahead) {
         for (int64_t g = 0; g < num_heads; ++g) {
+          ahead.part(g, num_heads);
           const T* rows = tokens + (g / group) * row_width;
           float* out_scores = scores.data() + g * len + t;
 #if defined(__AVX512F__)
@@ -375,18 +396,21 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
       for (int64_t g = 0; g < num_heads; ++g) softmax_(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_run(v_cache, table, len, block_size, token_stride, run,
-                   [&](int64_t t, const T* tokens, int64_t, int64_t count) {
+                   [&](int64_t t, const T* tokens, int64_t, int64_t count, const Ahead& ahead) {
 #if defined(__AVX512F__)
         if constexpr (kVectorRows<T>) {
           if (vector_rows) {
-            for (int64_t h = 0; h < num_kv_heads; ++h)
+            for (int64_t h = 0; h < num_kv_heads; ++h) {
+              ahead.part(h, num_kv_heads);
               accumulate_heads(scores.data() + h * group * len + t, len,
                                tokens + h * row_width, token_stride, count, head_dim, group,
                                acc.data() + h * group * head_dim);
+            }
             return;
           }
         }
 #endif
+        ahead.part(0, 1);
         for (int64_t g = 0; g < num_heads; ++g)
           accumulate_rows(scores.data() + g * len + t, tokens + (g / group) * row_width,
                           token_stride, count, head_dim, acc.data() + g * head_dim, row.data());
@@ -564,7 +588,9 @@ void tiled_prefill(const c10::BFloat16* q, int64_t q_token_stride, const c10::BF
           _mm512_set1_epi32(prefix + t0),
           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
       for_each_run(k_cache + h * D, table, prefix + t0 + count, block_size, token_stride, kRun,
-                   [&](int64_t t, const c10::BFloat16* rows, int64_t, int64_t run) {
+                   [&](int64_t t, const c10::BFloat16* rows, int64_t, int64_t run,
+                       const Ahead& ahead) {
+        ahead.part(0, 1);
         for (int64_t j = 0; j < run; ++j)
           std::memcpy(keys + j * D / 2, rows + j * token_stride, D * sizeof(c10::BFloat16));
         tiled_values(v_cache + (rows - k_cache), token_stride, run, D, values);
