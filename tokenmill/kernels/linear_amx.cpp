@@ -116,13 +116,14 @@ std::vector<uint32_t> pair_interleaved(const torch::Tensor& x) {
 
 // One block of W (kBlockOutputs rows from w, w_stride apart, or NW = 1 tile of them) by NX tiles
 // of x (16 rows each) from `x_tiles`, into sums [NW * 16 outputs][NX * 16 rows of x]. With
-// `ahead` (the next block's rows, laid out as w's), each step asks for the lines of the next
-// block it reads of this one (kernels/prefetch.cpp): 32 rows of x over SmolLM2's products in
+// `ahead` (the next block's rows as stored: bfloat16, or the codes widened into w; row_bytes
+// apart, step_bytes of each a step of K), each step asks for the lines of the next block that
+// it reads of this one (kernels/prefetch.cpp): 32 rows of x over SmolLM2's bf16 products in
 // 0.71x the time (benchmarks/bench_kernels_ab.py --formats bf16, AMX VM).
 template <int NW, int NX>
 inline void amx_block(const uint16_t* w, int64_t w_stride, const uint32_t* x_tiles,
                       int64_t x_block_stride, int64_t steps, float* sums,
-                      const uint16_t* ahead) {
+                      const char* ahead, int64_t row_bytes, int64_t step_bytes) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -130,10 +131,9 @@ inline void amx_block(const uint16_t* w, int64_t w_stride, const uint32_t* x_til
   for (int64_t s = 0; s < steps; ++s) {
     const uint16_t* ws = w + s * kTileDepth;
     const uint32_t* xs = x_tiles + s * kTileElements / 2;
-    if (ahead != nullptr)
+    if (ahead != nullptr && s * step_bytes % 64 < step_bytes)  // a step that starts a line
       for (int64_t r = 0; r < NW * kTileRows; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + r * w_stride + s * kTileDepth),
-                     _MM_HINT_T1);
+        _mm_prefetch(ahead + r * row_bytes + s * step_bytes, _MM_HINT_T1);
     _tile_loadd(4, ws, w_stride * 2);
     _tile_loadd(6, xs, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -161,10 +161,13 @@ inline void amx_block(const uint16_t* w, int64_t w_stride, const uint32_t* x_til
 // multiple of 32) and a W of out_features rows (a multiple of 16); row_scales and bias may be
 // null. `rows_at(n0, rows, scratch)` locates `rows` rows of W from n0 as bfloat16 (decoding them
 // into `scratch`, kBlockOutputs * w_stride elements a thread), once for all of x's rows.
+// `stored` is where W's rows lie in memory as stored (bfloat16, or the codes decoded from),
+// `stored_row_bytes` apart.
 template <typename RowsAt>
 torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t w_stride,
                           bool needs_scratch, RowsAt rows_at, const float* row_scales,
-                          const c10::BFloat16* bias) {
+                          const c10::BFloat16* bias, const void* stored,
+                          int64_t stored_row_bytes) {
   const int64_t rows = x.size(0), steps = x.size(1) / kTileDepth;
   const int64_t x_blocks = (rows + kTileRows - 1) / kTileRows;
   const std::vector<uint32_t> x_tiles = pair_interleaved(x);
@@ -183,15 +186,21 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
       for (int64_t xb = 0; xb < x_blocks; xb += 2) {
         const uint32_t* xs = x_tiles.data() + xb * x_block_stride;
         const bool two_x = xb + 1 < x_blocks;
-        // Asked for on the first pass over a block, from W as it lies (not decoded scratch)
-        const uint16_t* ahead =
-            !needs_scratch && xb == 0 && block + 1 < end ? w + kBlockOutputs * w_stride : nullptr;
+        // Asked for on the first pass over a block.
+        const char* ahead = xb == 0 && block + 1 < end
+            ? static_cast<const char*>(stored) + (n0 + kBlockOutputs) * stored_row_bytes
+            : nullptr;
+        const int64_t step_bytes = stored_row_bytes / steps;
         if (outputs == kBlockOutputs) {
-          if (two_x) amx_block<2, 2>(w, w_stride, xs, x_block_stride, steps, sums, ahead);
-          else amx_block<2, 1>(w, w_stride, xs, x_block_stride, steps, sums, ahead);
+          if (two_x) amx_block<2, 2>(w, w_stride, xs, x_block_stride, steps, sums, ahead,
+                                     stored_row_bytes, step_bytes);
+          else amx_block<2, 1>(w, w_stride, xs, x_block_stride, steps, sums, ahead,
+                               stored_row_bytes, step_bytes);
         } else {
-          if (two_x) amx_block<1, 2>(w, w_stride, xs, x_block_stride, steps, sums, ahead);
-          else amx_block<1, 1>(w, w_stride, xs, x_block_stride, steps, sums, ahead);
+          if (two_x) amx_block<1, 2>(w, w_stride, xs, x_block_stride, steps, sums, ahead,
+                                     stored_row_bytes, step_bytes);
+          else amx_block<1, 1>(w, w_stride, xs, x_block_stride, steps, sums, ahead,
+                               stored_row_bytes, step_bytes);
         }
         // Each 16 x 16 of sums [outputs][rows of x] turned to [rows of x][outputs], finished
         // and rounded 16 outputs at a time.

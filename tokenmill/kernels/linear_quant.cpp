@@ -73,13 +73,15 @@ struct Int16Activations {
 };
 
 // sums[m][n] = dot(x row m, codes row n) for MT rows of x's int16 codes (from row m0) and
-// kWeightRows int8 rows (K a multiple of 32), scaled back by x's row scales. The int32 sums are
+// kWeightRows int8 rows (K a multiple of 32), scaled back by x's row scales. With `ahead` (the
+// next rows' codes), each line read asks for the same line of those (kernels/prefetch.cpp). The int32 sums are
 // exact in any order, so each row of W is read through before the next, two accumulators a row
 // of x: one stream of the block's bytes in address order, which the hardware prefetcher follows,
 // where four rows side by side are four streams of 576 bytes (SmolLM2) that it barely starts on.
 template <int MT>
 inline void int8_tile(const Int16Activations& a, int64_t m0, const int8_t* codes,
-                      int64_t in_features, float out[kInputRows][kWeightRows]) {
+                      int64_t in_features, float out[kInputRows][kWeightRows],
+                      const int8_t* ahead) {
   const int16_t* xq = a.codes.data() + m0 * in_features;
   for (int n = 0; n < kWeightRows; ++n) {
     const int8_t* row = codes + n * in_features;
@@ -87,6 +89,7 @@ inline void int8_tile(const Int16Activations& a, int64_t m0, const int8_t* codes
     for (int m = 0; m < MT; ++m) even[m] = odd[m] = _mm512_setzero_si512();
     int64_t k = 0;
     for (; k + 64 <= in_features; k += 64) {
+      if (ahead != nullptr) _mm_prefetch(ahead + n * in_features + k, _MM_HINT_T1);
       const __m512i w0 = _mm512_cvtepi8_epi16(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k)));
       const __m512i w1 = _mm512_cvtepi8_epi16(
@@ -98,6 +101,7 @@ inline void int8_tile(const Int16Activations& a, int64_t m0, const int8_t* codes
       }
     }
     if (k < in_features) {  // a last 32
+      if (ahead != nullptr) _mm_prefetch(ahead + n * in_features + k, _MM_HINT_T1);
       const __m512i w = _mm512_cvtepi8_epi16(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k)));
       for (int m = 0; m < MT; ++m)
@@ -293,11 +297,13 @@ struct Int4Activations {
 };
 
 // sums[m][n] = dot(x row m0 + m, W row n) for MT rows of quantized x and kWeightRows int4 rows
-// of W (codes row_bytes apart, scales and mins `groups` apart).
+// of W (codes row_bytes apart, scales and mins `groups` apart). With `ahead` (the next rows'
+// codes), each chunk read asks for the same chunk of those (kernels/prefetch.cpp).
 template <int MT>
 inline void int4_tile(const Int4Activations& a, int64_t m0, const uint8_t* codes,
                       int64_t row_bytes, const float* scales, const float* mins,
-                      int64_t group_size, float out[kInputRows][kWeightRows]) {
+                      int64_t group_size, float out[kInputRows][kWeightRows],
+                      const uint8_t* ahead) {
   const int64_t half = group_size / 2, groups = a.groups;
   const __m512i lane_group = int4_lane_groups(half);
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -318,6 +324,10 @@ inline void int4_tile(const Int4Activations& a, int64_t m0, const uint8_t* codes
     // offsets and scales again for every row, six loads a row of W's 64 bytes.
     __m512i low[kWeightRows], high[kWeightRows];
     __m512 w_scale[kWeightRows];
+    if (ahead != nullptr)
+#pragma GCC unroll 4
+      for (int n = 0; n < kWeightRows; ++n)
+        _mm_prefetch(ahead + n * row_bytes + first_byte, _MM_HINT_T1);
 #pragma GCC unroll 4
     for (int n = 0; n < kWeightRows; ++n) {
       const __m512i raw = _mm512_maskz_loadu_epi8(bytes, codes + n * row_bytes + first_byte);
@@ -439,7 +449,7 @@ struct Int4Weights {
                               scratch + r * padded);
             return static_cast<const uint16_t*>(scratch);
           },
-          nullptr, bias.values);
+          nullptr, bias.values, codes, padded / 2);
 #endif
     return few_rows_product(
         xo, out_features, kWeightRows * padded,
@@ -495,7 +505,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                                      in_features, in_features / groups, scratch + r * in_features);
             return static_cast<const uint16_t*>(scratch);
           },
-          nullptr, b.values);
+          nullptr, b.values, cs, in_features);
 #endif
     return few_rows_product(
         x, out_features, kWeightRows * in_features,
@@ -516,7 +526,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
           widen_int8_rows(cs + n0 * in_features, in_features, count, scratch);
           return static_cast<const uint16_t*>(scratch);
         },
-        ss, b.values);
+        ss, b.values, cs, in_features);
 #endif
   if (x.size(0) > kInputRows) {
     return few_rows_product(
@@ -532,9 +542,10 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
       x, out_features, 0, [&](int64_t n0, uint16_t*) { return cs + n0 * in_features; },
       [&](auto mt, const int8_t* rows, const uint16_t*, int64_t, int64_t m0,
           float sums[kInputRows][kWeightRows]) {
-        int8_tile<decltype(mt)::value>(activations, m0, rows, in_features, sums);
+        int8_tile<decltype(mt)::value>(activations, m0, rows, in_features, sums,
+                                       m0 == 0 ? rows + kWeightRows * in_features : nullptr);
       },
-      finish, prefetch);
+      finish, [](int64_t) {});
 #else
   TORCH_CHECK(false, "linear_int8: built without AVX-512 BF16");
   return x;
@@ -568,11 +579,13 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
       x, w.out_features, 0, [](int64_t n0, uint16_t*) { return n0; },
       [&](auto mt, int64_t n0, const uint16_t*, int64_t, int64_t m0,
           float sums[kInputRows][kWeightRows]) {
-        int4_tile<decltype(mt)::value>(activations, m0, w.codes + n0 * w.padded / 2,
-                                       w.padded / 2, w.scales + n0 * w.groups,
-                                       w.mins + n0 * w.groups, group_size, sums);
+        const uint8_t* codes = w.codes + n0 * w.padded / 2;
+        int4_tile<decltype(mt)::value>(activations, m0, codes, w.padded / 2,
+                                       w.scales + n0 * w.groups, w.mins + n0 * w.groups,
+                                       group_size, sums,
+                                       m0 == 0 ? codes + kWeightRows * w.padded / 2 : nullptr);
       },
-      [&](int64_t n, float sum) { return sum + w.bias[n]; }, w.prefetch());
+      [&](int64_t n, float sum) { return sum + w.bias[n]; }, [](int64_t) {});
 #else
   TORCH_CHECK(false, "linear_int4: built without AVX-512 BF16");
   return x;
