@@ -4,7 +4,14 @@ The same prompts (token slices of the Python docs shipped in `pydoc_data.topics`
 long) and the same weights go through every engine; each request makes exactly --output-len tokens.
 Each engine runs alone in a fresh subprocess, one after another, so its peak RSS is its own.
 
+This VM's speed moves up to 1.7x within the hour, and an engine's run lasts from 10 s to minutes,
+so one run of each can compare a fast minute with a slow one (generate_batch gave 84.6 and 56.1
+tokens/s in two runs ten minutes apart). With --rounds N every engine runs N times, the order
+turning each round; each round's ratios compare runs minutes apart, and the report's ratios are
+the medians of the rounds' (its per-engine figures the medians of the runs').
+
     python benchmarks/bench_engine.py --dtypes float32,auto
+    python benchmarks/bench_engine.py --rounds 3
     python benchmarks/bench_engine.py --num-prompts 3 --output-len 8 --hf-sequential-prompts 1
 """
 
@@ -247,10 +254,27 @@ def ratios(results: dict[str, Result]) -> dict[str, float | None]:
                 ratio("hf_generate", "single_stream_decode_tokens_per_s")}
 
 
-def print_table(report: dict[str, Any]) -> None:
+MEDIAN_FIGURES = ("wall_s", "output_tokens_per_s", "single_stream_decode_tokens_per_s",
+                  "peak_rss_mib")
+
+
+def median_runs(runs: list[Result]) -> Result:
+    """One engine's runs as one result: the median of each figure that varies by run, the rest
+    (requests, KV capacity, configuration) from the first run."""
+    return runs[0] | {figure: statistics.median(run[figure] for run in runs)
+                      for figure in MEDIAN_FIGURES if figure in runs[0]}
+
+
+def median_ratios(rounds: list[dict[str, Any]]) -> dict[str, float | None]:
+    names = rounds[0]["ratios"]
+    return {name: None if rounds[0]["ratios"][name] is None
+            else statistics.median(r["ratios"][name] for r in rounds) for name in names}
+
+
+def print_table(report: dict[str, Any], title: str) -> None:
     print(f"\n== bench_engine, dtype {report['dtype']} (requested {report['dtype_requested']}), "
           f"{report['workload']['num_prompts']} prompts x {report['workload']['output_len']} "
-          "output tokens")
+          f"output tokens{title}")
     print(f"{'engine':<18}{'requests':>9}{'out tok':>9}{'wall s':>9}{'out tok/s':>11}"
           f"{'1-stream tok/s':>16}{'peak RSS MiB':>14}{'KV tokens':>11}")
     for engine, r in report["engines"].items():
@@ -279,6 +303,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hf-max-batch-tokens", type=int, default=2048,
                         help="generate_batch's max_batch_tokens (per-step token budget)")
     parser.add_argument("--hf-max-requests-per-batch", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every engine this many times, the order turning each round")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads in every engine (default: torch's default)")
     parser.add_argument("--output-json", default="benchmarks/results/bench_engine-{dtype}.json",
@@ -309,10 +335,16 @@ def main() -> None:
                 "max_num_seqs": args.max_num_seqs, "hf_max_batch_tokens": args.hf_max_batch_tokens,
                 "hf_max_requests_per_batch": args.hf_max_requests_per_batch,
                 "threads": args.threads}
-        results = {}
-        for engine in engines:  # one at a time, never in parallel: they would share the cores
-            print(f"[bench_engine] {dtype}: running {engine}", flush=True)
-            results[engine] = run_engine(engine, spec)
+        rounds = []
+        for index in range(args.rounds):
+            order = engines[index % len(engines):] + engines[:index % len(engines)]
+            results = {}
+            for engine in order:  # one at a time, never in parallel: they would share the cores
+                print(f"[bench_engine] {dtype}, round {index + 1}: running {engine}", flush=True)
+                results[engine] = run_engine(engine, spec)
+            rounds.append({"round": index + 1, "order": order,
+                           "engines": {engine: results[engine] for engine in engines},
+                           "ratios": ratios(results)})
         report = {
             "benchmark": "bench_engine", "dtype_requested": requested, "dtype": dtype,
             "model": args.model, "model_path": str(model_path),
@@ -321,10 +353,15 @@ def main() -> None:
                          "prompt_source": "disjoint token slices of pydoc_data.topics",
                          "ignore_eos": True, "greedy": True},
             "machine": machine_info() | {"threads_requested": args.threads},
-            "git": git_commit(), "engines": results, "ratios": ratios(results),
-            "targets": TARGETS,
+            "git": git_commit(),
+            "engines": {engine: median_runs([r["engines"][engine] for r in rounds])
+                        for engine in engines},
+            "ratios": median_ratios(rounds), "targets": TARGETS, "rounds": rounds,
         }
-        print_table(report)
+        if args.rounds > 1:
+            for r in rounds:
+                print_table(report | r, f", round {r['round']}")
+        print_table(report, ", medians of the rounds" if args.rounds > 1 else "")
         path = Path(args.output_json.format(dtype=requested))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=2) + "\n")
