@@ -181,8 +181,7 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor positions, torch
     paged_decode_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_lens, scale,
                            attended);
     x = rms_norm(residual, layer.o_proj(attended.flatten(1)), layer.post_attention_norm, eps);
-    std::vector<torch::Tensor> gate_up = layer.gate_up(x).chunk(2, -1);
-    x = layer.down(at::silu_(gate_up[0]).mul_(gate_up[1]));  // in place, as GatedMLP
+    x = layer.down(silu_mul_(layer.gate_up(x)));  // as GatedMLP
   }
   return rms_norm(residual, x, plan.final_norm, eps);
 }
