@@ -7,7 +7,7 @@ A pass calls every decode product of SmolLM2 in model order (30 layers of qkv, o
 down, then the lm_head), each with its own random weight, so every weight comes from memory as
 in decode; bf16 weights go to linear_bf16 as they lie (its few-row tiles, or AMX tiles from 3
 rows), int4 layers are group 128 with rotated inputs, as `gptq-hadamard` makes them (the lm_head
-without). The `attention` format instead runs bf16 decode attention over 30 layers' own
+without), and gguf layers Q4_1's groups of 32 through linear_int4_exact. The `attention` format instead runs bf16 decode attention over 30 layers' own
 KV caches (SmolLM2's heads, blocks of 16), `--rows` sequences of 84 to 364 cached tokens (the
 prompts of bench_engine.py plus half their output), so the cache comes from memory as in a decode
 step. The builds take turns going first; the figure is the median pass, in ms. The other
@@ -74,6 +74,8 @@ def model_layers(quantization: str) -> list[QuantizedLinear | torch.Tensor]:
             layers.append(weight)
         elif quantization == "int8":
             layers.append(Int8Linear.quantize(weight))
+        elif quantization == "gguf":  # Q4_1's layout: groups of 32, linear_int4_exact
+            layers.append(Int4Linear.quantize(weight, 32))
         else:
             rotation = rotation_signs(in_features) if index < len(shapes) - 1 else None
             layers.append(Int4Linear.quantize(weight, 128, input_rotation=rotation))
@@ -116,6 +118,8 @@ def product(kernels: ModuleType, layer: QuantizedLinear | torch.Tensor, x: torch
         return kernels.linear_bf16(x, layer, None)
     if isinstance(layer, Int8Linear):
         return kernels.linear_int8(x, layer.codes, layer.kernel_scales, layer.bias)
+    if layer.group_size == 32:
+        return kernels.linear_int4_exact(x, layer.codes, layer.scales, layer.mins, layer.bias)
     return kernels.linear_int4(x, layer.codes, layer.scales, layer.mins, layer.group_size,
                                layer.bias, layer.input_rotation)
 
