@@ -132,8 +132,7 @@ inline void amx_block(const uint16_t* w, int64_t w_stride, const uint32_t* x_til
     const uint16_t* ws = w + s * kTileDepth;
     const uint32_t* xs = x_tiles + s * kTileElements / 2;
     if (ahead != nullptr && s * step_bytes % 64 < step_bytes)  // a step that starts a line
-      for (int64_t r = 0; r < NW * kTileRows; ++r)
-        _mm_prefetch(ahead + r * row_bytes + s * step_bytes, _MM_HINT_T1);
+      prefetch_rows(ahead, NW * kTileRows, row_bytes, s * step_bytes);
     _tile_loadd(4, ws, w_stride * 2);
     _tile_loadd(6, xs, 64);
     _tile_dpbf16ps(0, 4, 6);

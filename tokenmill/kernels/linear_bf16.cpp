@@ -58,10 +58,7 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t
     for (int n = 0; n < kWeightRows; ++n)
       weights[n] = _mm512_maskz_loadu_epi16(mask, w + n * w_stride + k / 32 * chunk_stride);
     if (ahead != nullptr)
-#pragma GCC unroll 4
-      for (int n = 0; n < kWeightRows; ++n)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + n * w_stride + k / 32 * chunk_stride),
-                     _MM_HINT_T1);
+      prefetch_rows(ahead, kWeightRows, w_stride * 2, k / 32 * chunk_stride * 2);
 #pragma GCC unroll 4
     for (int m = 0; m < MT; ++m) {
       const __m512i inputs = _mm512_maskz_loadu_epi16(mask, x + m * x_stride + k);

@@ -324,10 +324,7 @@ inline void int4_tile(const Int4Activations& a, int64_t m0, const uint8_t* codes
     // offsets and scales again for every row, six loads a row of W's 64 bytes.
     __m512i low[kWeightRows], high[kWeightRows];
     __m512 w_scale[kWeightRows];
-    if (ahead != nullptr)
-#pragma GCC unroll 4
-      for (int n = 0; n < kWeightRows; ++n)
-        _mm_prefetch(ahead + n * row_bytes + first_byte, _MM_HINT_T1);
+    if (ahead != nullptr) prefetch_rows(ahead, kWeightRows, row_bytes, first_byte);
 #pragma GCC unroll 4
     for (int n = 0; n < kWeightRows; ++n) {
       const __m512i raw = _mm512_maskz_loadu_epi8(bytes, codes + n * row_bytes + first_byte);

@@ -34,4 +34,12 @@ inline void prefetch_bytes(const void* start, int64_t bytes) {
     __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
 }
 
+// Asks for the line at `offset` of each of `rows` rows, `row_bytes` apart from `start`: what the
+// products' loops ask for as they go (above), the line of the next rows that they just read of
+// the current ones.
+inline void prefetch_rows(const void* start, int64_t rows, int64_t row_bytes, int64_t offset) {
+  const char* at = static_cast<const char*>(start) + offset;
+  for (int64_t r = 0; r < rows; ++r) __builtin_prefetch(at + r * row_bytes, 0, 2);
+}
+
 }  // namespace
