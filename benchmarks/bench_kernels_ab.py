@@ -10,7 +10,8 @@ rows), int4 layers are group 128 with rotated inputs, as `gptq-hadamard` makes t
 without), and gguf layers Q4_1's groups of 32 through linear_int4_exact. The `attention` format instead runs bf16 decode attention over 30 layers' own
 KV caches (SmolLM2's heads, blocks of 16), `--rows` sequences of 84 to 364 cached tokens (the
 prompts of bench_engine.py plus half their output), so the cache comes from memory as in a decode
-step. The builds take turns going first; the figure is the median pass, in ms. The other
+step; `prefill` runs the bf16 prefill attention of a 2,048-token step, sequences of `--rows`
+tokens each attended from position 0. The builds take turns going first; the figure is the median pass, in ms. The other
 commit's kernels are built from its `tokenmill/kernels` sources, with this checkout's flags.
 
     python benchmarks/bench_kernels_ab.py --against 12e58c7 --rows 1,32
@@ -110,6 +111,24 @@ def attention_pass(batch: int) -> Callable[[ModuleType], None]:
                             for k, v in caches]
 
 
+def prefill_pass(length: int) -> Callable[[ModuleType], None]:
+    """A 2,048-token prefill step's attention: 2048 // length sequences of `length` tokens, each
+    one chunk from position 0, over 30 layers' own bf16 KV caches (the chunk's K and V in
+    place, as the step writes them before attending)."""
+    sequences = 2048 // length
+    blocks = (length + BLOCK - 1) // BLOCK
+    shape = (sequences * blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16())
+              for _ in range(LAYERS)]
+    tables = torch.arange(sequences * blocks).view(sequences, blocks)
+    positions = torch.arange(1, length + 1)
+    q = torch.randn(length, HEADS, HEAD_DIM).bfloat16()
+    out = torch.empty_like(q)
+    return lambda kernels: [kernels.paged_prefill_attention(q, k, v, tables[s], positions,
+                                                            HEAD_DIM ** -0.5, out)
+                            for k, v in caches for s in range(sequences)]
+
+
 def product(kernels: ModuleType, layer: QuantizedLinear | torch.Tensor, x: torch.Tensor
             ) -> torch.Tensor:
     """layer(x) by `kernels`' product, as the layer's own packed_matmul (or a bf16 W's
@@ -141,6 +160,7 @@ def main() -> None:
     for quantization in args.formats.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
             run = attention_pass(rows) if quantization == "attention" \
+                else prefill_pass(rows) if quantization == "prefill" \
                 else products_pass(quantization, rows)
             passes: dict[str, list[float]] = {name: [] for name in builds}
             for index in range(args.passes + 1):  # the first pass warms up

@@ -344,6 +344,16 @@ inline void for_each_run(const T* cache, const int64_t* table, int64_t len, int6
   }
 }
 
+// Task i of n, in an order whose contiguous shares (at::parallel_for's, a thread each) take equal
+// work when the work grows with the task: first, last, second, second last... A prefill chunk's
+// query tokens attend to more keys the later they are, and in their own order the thread given
+// the first half had a quarter of the work (16 tiles: 36 of 136 tiles' runs), then spun at the
+// barrier while the other finished: a fifth of a 2,048-token bf16 prefill's samples were
+// libgomp's spin, AMX VM. A chunk's attention took 0.69-0.80x the time so
+// (benchmarks/bench_kernels_ab.py --formats prefill). Decode's sequences, whose lengths don't
+// grow with their index, keep their order: the pool's blocks lie in it (1.01-1.06x otherwise).
+inline int64_t balanced_order(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
+
 // One task a sequence, all its heads together: a task reading one head's rows strided through the
 // pool was bound by memory latency (3 GB/s); whole tokens are contiguous.
 template <typename Q, typename T>
@@ -359,10 +369,13 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
 #else
   const int64_t run = block_size;
 #endif
+  // One table for every query: the tokens of a prefill chunk (paged_prefill_attention).
+  const auto order = [&](int64_t i) { return table_stride == 0 ? balanced_order(i, batch) : i; };
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, row(head_dim), acc(num_heads * head_dim);
     std::vector<float> queries(num_heads * head_dim);
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = order(i);
       const int64_t len = seq_lens[b];
       const int64_t* table = block_tables + b * table_stride;
       load_row(q + b * q_token_stride, num_heads * head_dim, queries.data());
@@ -414,7 +427,8 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
         for (int64_t g = 0; g < num_heads; ++g)
           accumulate_rows(scores.data() + g * len + t, tokens + (g / group) * row_width,
                           token_stride, count, head_dim, acc.data() + g * head_dim, row.data());
-      }, b + 1 < end ? k_cache + block_tables[(b + 1) * table_stride] * block_size * token_stride
+      }, i + 1 < end ? k_cache + block_tables[order(i + 1) * table_stride] * block_size *
+                                     token_stride
                      : nullptr);
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, c10::BFloat16>)
@@ -580,7 +594,8 @@ void tiled_prefill(const c10::BFloat16* q, int64_t q_token_stride, const c10::BF
     alignas(64) uint32_t keys[kRun * D / 2] = {};  // the run's K rows, D apart
     alignas(64) uint32_t values[kRun / 2 * D];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task % num_kv_heads, t0 = task / num_kv_heads * kQueryTile;
+      const int64_t h = task % num_kv_heads;
+      const int64_t t0 = balanced_order(task / num_kv_heads, tiles) * kQueryTile;
       const int64_t count = std::min(kQueryTile, query_len - t0);
       for (int64_t j = 0; j < group; ++j)
         heads[j].start(q + t0 * q_token_stride + (h * group + j) * D, q_token_stride, count);
