@@ -261,13 +261,14 @@ def bf16_prefill(heads, kv_heads, dim, block, context, queries, seed):
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,block", [(9, 3, 64, 16), (14, 2, 64, 4),
-                                                      (4, 4, 128, 32)])
+                                                      (4, 4, 128, 32), (2, 1, 64, 32)])
 @pytest.mark.parametrize("context,queries", [(1, 1), (16, 16), (17, 17), (40, 13), (300, 300)])
 def test_tiled_bf16_prefill_matches_dense_reference(heads, kv_heads, dim, block, context,
                                                     queries):
-    """bfloat16 prefill with head_dim 64 or 128 runs in tiles of 16 queries (softmax online,
-    probabilities rounded to bfloat16 for V): within bfloat16's rounding of the dense result,
-    as the per-token path is, for partial tiles and runs, a cached prefix and GQA."""
+    """bfloat16 prefill with head_dim 64 or 128 runs in tiles of 16 queries (on AMX tiles for 64
+    and blocks of 16s, where the CPU has them; probabilities rounded to bfloat16 for V): within
+    bfloat16's rounding of the dense result, as the per-token path is, for partial tiles and
+    runs, a cached prefix and GQA."""
     skip_without_kernel(True)
     q, k, v, k_cache, v_cache, table = bf16_prefill(heads, kv_heads, dim, block, context,
                                                     queries, seed=7)

@@ -618,6 +618,151 @@ void tiled_prefill(const c10::BFloat16* q, int64_t q_token_stride, const c10::BF
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// tiled_prefill's tiles of 16 queries on AMX, for head_dim 64 and runs of 16 keys: its
+// VDPBF16PS products were most of its work, and a TDPBF16PS does 16 x 16 x 32 products where one
+// of those does 16 x 2. Per task (KV head, tile of 16 queries, its group's heads), two passes over
+// the keys, with no online rescaling:
+// - each run of 16 keys meets the queries as S^T = K Q^T, the keys' rows as they lie against Q
+//   transposed into the tiles' pairs, so a C tile's rows are keys and its lanes queries, as
+//   tiled_prefill's registers are: each lane's max is taken as its scores come;
+// - then, 32 keys at a time, p = exp(s * scale - max) (the lane's sum in float32), rounded to
+//   bfloat16 and turned to [queries][keys], meets V's pairs (tiled_values) in four C tiles of
+//   [queries][16 dimensions] that hold the head's output over all the keys.
+// Each query's result depends on its own position and the keys only, whatever the chunk.
+constexpr int64_t kAmxDim = 64;
+constexpr int64_t kChunkKeys = 32;
+
+// Tile 4 = S^T for one head: the run's keys (`keys`, 16 rows of kAmxDim) by its queries
+// (`pairs`: two B tiles, dimensions 0-31 and 32-63), stored at `scores` [16 keys][16 lanes].
+inline void run_scores(const uint16_t* keys, const uint32_t* pairs, float* scores) {
+  _tile_zero(4);
+  _tile_loadd(5, keys, kAmxDim * 2);
+  _tile_loadd(6, pairs, 64);
+  _tile_dpbf16ps(4, 5, 6);
+  _tile_loadd(5, keys + 32, kAmxDim * 2);
+  _tile_loadd(6, pairs + 256, 64);
+  _tile_dpbf16ps(4, 5, 6);
+  _tile_stored(4, scores, 64);
+}
+
+// Tiles 0-3 += P V for 32 keys: P [16 queries][32 keys] bfloat16 in `probs`, V as tiled_values'
+// pairs of those keys (16 rows of kAmxDim pairs).
+inline void chunk_values(const uint16_t* probs, const uint32_t* values) {
+  _tile_loadd(5, probs, 64);
+  _tile_loadd(6, values, kAmxDim * 4);
+  _tile_dpbf16ps(0, 5, 6);
+  _tile_loadd(6, values + 16, kAmxDim * 4);
+  _tile_dpbf16ps(1, 5, 6);
+  _tile_loadd(6, values + 32, kAmxDim * 4);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_loadd(6, values + 48, kAmxDim * 4);
+  _tile_dpbf16ps(3, 5, 6);
+}
+
+void amx_prefill(const c10::BFloat16* q, int64_t q_token_stride, const c10::BFloat16* k_cache,
+                 const c10::BFloat16* v_cache, const int64_t* table, int64_t query_len,
+                 int64_t prefix, c10::BFloat16* out, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t block_size, float scale) {
+  constexpr int64_t D = kAmxDim;
+  const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * D;
+  const int64_t tiles = (query_len + kQueryTile - 1) / kQueryTile;
+  at::parallel_for(0, num_kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    const Tiles amx;
+    std::vector<float> scores;     // [head][key][16 lanes]
+    std::vector<uint32_t> values;  // [key / 2][D]: tiled_values' pairs
+    std::vector<uint32_t> pairs(group * 2 * 256);  // per head, dimensions 0-31 and 32-63
+    alignas(64) uint16_t keys[kRun * D];
+    alignas(64) uint16_t probs[kQueryTile * kChunkKeys];
+    alignas(64) float acc[kQueryTile * D];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task % num_kv_heads;
+      const int64_t t0 = balanced_order(task / num_kv_heads, tiles) * kQueryTile;
+      const int64_t count = std::min(kQueryTile, query_len - t0);
+      const int64_t len = prefix + t0 + count;
+      const int64_t padded = (len + kChunkKeys - 1) / kChunkKeys * kChunkKeys;
+      const __m512i positions = _mm512_add_epi32(
+          _mm512_set1_epi32(prefix + t0),
+          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      for (int64_t j = 0; j < group; ++j)
+        for (int64_t half = 0; half < 2; ++half) {
+          __m512 rows[kQueryTile];  // lane p of row n: query n's dimensions 32 half + 2p, + 1
+          for (int64_t n = 0; n < kQueryTile; ++n)
+            rows[n] = n < count
+                ? _mm512_loadu_ps(reinterpret_cast<const float*>(
+                      q + (t0 + n) * q_token_stride + (h * group + j) * D + 32 * half))
+                : _mm512_setzero_ps();
+          transpose16x16(rows);
+          for (int64_t p = 0; p < kQueryTile; ++p)
+            _mm512_storeu_ps(reinterpret_cast<float*>(pairs.data()) + (j * 2 + half) * 256 +
+                                 p * 16, rows[p]);
+        }
+      scores.resize(group * padded * kQueryTile);
+      values.assign(padded / 2 * D, 0);  // keys past len meet p = 0, so must be finite
+      std::vector<__m512> top(group, _mm512_set1_ps(-INFINITY));
+      for_each_run(k_cache + h * D, table, len, block_size, token_stride, kRun,
+                   [&](int64_t t, const c10::BFloat16* rows, int64_t, int64_t run,
+                       const Ahead& ahead) {
+        ahead.part(0, 1);
+        for (int64_t r = 0; r < kRun; ++r)
+          if (r < run) std::memcpy(keys + r * D, rows + r * token_stride, D * 2);
+          else std::memset(keys + r * D, 0, D * 2);
+        tiled_values(v_cache + (rows - k_cache), token_stride, run, D, values.data() + t / 2 * D);
+        for (int64_t j = 0; j < group; ++j) {
+          float* run_scores_at = scores.data() + (j * padded + t) * kQueryTile;
+          run_scores(keys, pairs.data() + j * 2 * 256, run_scores_at);
+          for (int64_t r = 0; r < run; ++r) {
+            const __mmask16 valid = _mm512_cmp_epi32_mask(_mm512_set1_epi32(t + r), positions,
+                                                          _MM_CMPINT_LE);
+            top[j] = _mm512_mask_max_ps(top[j], valid, top[j],
+                                        _mm512_loadu_ps(run_scores_at + r * kQueryTile));
+          }
+        }
+      });
+      for (int64_t j = 0; j < group; ++j) {
+        const __m512 shift = _mm512_mul_ps(top[j], _mm512_set1_ps(scale));
+        __m512 total = _mm512_setzero_ps();
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < padded; c += kChunkKeys) {
+          __m512 p[kChunkKeys];  // lanes: queries
+          for (int64_t k = 0; k < kChunkKeys; ++k) {
+            const __mmask16 valid = _mm512_cmp_epi32_mask(_mm512_set1_epi32(c + k), positions,
+                                                          _MM_CMPINT_LE);
+            const __m512 s = _mm512_loadu_ps(scores.data() + (j * padded + c + k) * kQueryTile);
+            p[k] = _mm512_maskz_mov_ps(valid, exp16(_mm512_fmsub_ps(s, _mm512_set1_ps(scale),
+                                                                     shift)));
+            total = _mm512_add_ps(total, p[k]);
+          }
+          transpose16x16(p);
+          transpose16x16(p + kQueryTile);
+          for (int64_t n = 0; n < kQueryTile; ++n)  // query n's 32 keys in order
+            _mm512_store_si512(probs + n * kChunkKeys,
+                               (__m512i)_mm512_cvtne2ps_pbh(p[kQueryTile + n], p[n]));
+          chunk_values(probs, values.data() + c / 2 * D);
+        }
+        _tile_stored(0, acc, D * 4);
+        _tile_stored(1, acc + 16, D * 4);
+        _tile_stored(2, acc + 32, D * 4);
+        _tile_stored(3, acc + 48, D * 4);
+        alignas(64) float sums[kQueryTile];
+        _mm512_store_ps(sums, total);
+        for (int64_t n = 0; n < count; ++n) {
+          const __m512 inverse = _mm512_set1_ps(1.f / sums[n]);
+          auto* row = reinterpret_cast<__m256i*>(out + (t0 + n) * num_heads * D +
+                                                 (h * group + j) * D);
+          for (int64_t d = 0; d < D; d += 16)
+            _mm256_storeu_si256(row + d / 16, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
+                                    _mm512_load_ps(acc + n * D + d), inverse)));
+        }
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 // q [B, H, D] in float32, bfloat16 or float16, its head_dim rows contiguous and its heads
@@ -666,9 +811,10 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
 // product is fine), token i at position seq_lens[i] - 1 of the sequence whose blocks are
 // block_table [blocks] int64, seq_lens [Tq] int64 consecutive (attention.py's prefill_chunk);
 // caches as paged_decode_attention's. bfloat16 q and cache with head_dim 64 or 128 run
-// tiled_prefill on AVX-512 BF16; anything else attends each token as a decode sequence, the numbers
-// decode gives (float32's chunked prefill, prefix hits and recomputes rely on it). Writes
-// [Tq, H, D] into `out`, contiguous, of q's dtype.
+// tiled_prefill on AVX-512 BF16 (amx_prefill for 64 on AMX, blocks a multiple of 16); anything
+// else attends each token as a decode sequence, the numbers decode gives (float32's chunked
+// prefill, prefix hits and recomputes rely on it). Writes [Tq, H, D] into `out`, contiguous, of
+// q's dtype.
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor block_table, torch::Tensor seq_lens, double scale,
                              torch::Tensor out) {
@@ -696,7 +842,10 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
     TORCH_CHECK(block_table.size(0) * k_cache.size(1) >= lens[query_len - 1],
                 "block_table: too few blocks for the chunk's positions");
     const WithoutGil without_gil;
-    const auto tiled = q.size(2) == 64 ? tiled_prefill<64> : tiled_prefill<128>;
+    auto tiled = q.size(2) == 64 ? tiled_prefill<64> : tiled_prefill<128>;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (q.size(2) == kAmxDim && k_cache.size(1) % kRun == 0 && amx_permitted()) tiled = amx_prefill;
+#endif
     tiled(q.data_ptr<c10::BFloat16>(), q.stride(0), k_cache.data_ptr<c10::BFloat16>(),
           v_cache.data_ptr<c10::BFloat16>(), block_table.data_ptr<int64_t>(), query_len,
           lens[0] - 1, out.data_ptr<c10::BFloat16>(), q.size(1), k_cache.size(2), k_cache.size(1),
