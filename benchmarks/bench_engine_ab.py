@@ -7,6 +7,7 @@ kernels; this checkout runs as it stands, uncommitted changes included.
 
     python benchmarks/bench_engine_ab.py --against HEAD --rounds 3
     python benchmarks/bench_engine_ab.py --against 96ab027 --dtype float32
+    python benchmarks/bench_engine_ab.py --against HEAD --output-len 2   # mostly prefill
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO_ROOT, save_report  # noqa: E402
 
-FIGURES = ("output_tokens_per_s", "single_stream_decode_tokens_per_s", "peak_rss_mib")
+FIGURES = ("wall_s", "output_tokens_per_s", "single_stream_decode_tokens_per_s", "peak_rss_mib")
 
 
-def run_engine(tree: Path, dtype: str, report: Path) -> dict:
+def run_engine(tree: Path, dtype: str, output_len: int, report: Path) -> dict:
     """bench_engine.py's tokenmill figures for the checkout at `tree`."""
     subprocess.run([sys.executable, "benchmarks/bench_engine.py", "--engines", "tokenmill",
-                    "--dtypes", dtype, "--output-json", str(report)],
+                    "--dtypes", dtype, "--output-len", str(output_len),
+                    "--output-json", str(report)],
                    cwd=tree, env=os.environ | {"PYTHONPATH": str(tree)}, check=True,
                    stdout=subprocess.DEVNULL)
     engine = json.loads(report.read_text())["engines"]["tokenmill"]
@@ -41,6 +43,8 @@ def main() -> None:
     parser.add_argument("--against", required=True, help="git revision to compare with")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--output-len", type=int, default=128,
+                        help="output tokens a prompt (2: the run is mostly its prefill)")
     parser.add_argument("--output-json", type=Path,
                         default=REPO_ROOT / "benchmarks/results/bench_engine_ab.json")
     args = parser.parse_args()
@@ -53,7 +57,8 @@ def main() -> None:
             rounds = []
             for index in range(args.rounds):
                 for name, tree in list(trees.items())[::-1 if index % 2 else 1]:
-                    figures = run_engine(tree, args.dtype, Path(scratch) / "report.json")
+                    figures = run_engine(tree, args.dtype, args.output_len,
+                                         Path(scratch) / "report.json")
                     rounds.append({"round": index + 1, "build": name, **figures})
                     print(f"round {index + 1} {name:>14}: " + ", ".join(
                         f"{figure} {value:.1f}" for figure, value in figures.items()),
@@ -66,6 +71,7 @@ def main() -> None:
     for name, figures in medians.items():
         print(f"median {name:>14}: " + ", ".join(f"{f} {v:.1f}" for f, v in figures.items()))
     save_report(args.output_json, "bench_engine A/B", against=args.against, dtype=args.dtype,
+                output_len=args.output_len,
                 command="python benchmarks/bench_engine.py --engines tokenmill, alternating",
                 rounds=rounds, medians=medians)
 
