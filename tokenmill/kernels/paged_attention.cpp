@@ -629,7 +629,9 @@ void tiled_prefill(const c10::BFloat16* q, int64_t q_token_stride, const c10::BF
 // - then, 32 keys at a time, p = exp(s * scale - max) (the lane's sum in float32), rounded to
 //   bfloat16 and turned to [queries][keys], meets V's pairs (tiled_values) in four C tiles of
 //   [queries][16 dimensions] that hold the head's output over all the keys.
-// Each query's result depends on its own position and the keys only, whatever the chunk.
+// Each query's result depends on its own position and the keys only, whatever the chunk. A
+// 2,048-token step's attention took 0.31-0.41x tiled_prefill's time at 64 to 1,024 tokens a
+// sequence (benchmarks/bench_kernels_ab.py --formats prefill, AMX VM).
 constexpr int64_t kAmxDim = 64;
 constexpr int64_t kChunkKeys = 32;
 
