@@ -91,26 +91,30 @@ inline void transpose16x16(__m512 rows[16]) {
   }
 }
 
-// x [M, K] bfloat16 -> [ceil(M / 16), K / 32] tiles of 16 pairs of K (rows) by 16 rows of x:
+// One B tile of pairs from `rows` (at most 16) rows of 32 bfloat16, `stride` elements apart:
+// element (r, 2 m + j) of `tile` is element 2 r + j of row m; rows past `rows` are zero.
+inline void pair_tile(const uint16_t* first, int64_t stride, int64_t rows, uint32_t* tile) {
+  __m512 pairs[kTileRows];  // each row's 16 pairs, as 32 bits
+  for (int64_t m = 0; m < kTileRows; ++m)
+    pairs[m] = m < rows ? _mm512_loadu_ps(reinterpret_cast<const float*>(first + m * stride))
+                        : _mm512_setzero_ps();
+  transpose16x16(pairs);
+  for (int64_t r = 0; r < kTileRows; ++r)
+    _mm512_storeu_ps(reinterpret_cast<float*>(tile) + r * kTileRows, pairs[r]);
+}
+
+// x [M, K] bfloat16 -> [ceil(M / 16), K / 32] pair_tiles of 16 pairs of K (rows) by 16 rows of x:
 // element (r, 2 m + j) of tile (b, s) is x[16 b + m, 32 s + 2 r + j]; rows past M are zero.
 std::vector<uint32_t> pair_interleaved(const torch::Tensor& x) {
   const int64_t rows = x.size(0), steps = x.size(1) / kTileDepth;
   const int64_t blocks = (rows + kTileRows - 1) / kTileRows;
   std::vector<uint32_t> out(blocks * steps * kTileElements / 2);
-  const auto* xs = reinterpret_cast<const float*>(x.data_ptr());  // pairs of K, as 32 bits
-  const int64_t pair_stride = x.stride(0) / 2;
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   for (int64_t b = 0; b < blocks; ++b)
-    for (int64_t s = 0; s < steps; ++s) {
-      __m512 tile[kTileRows];
-      for (int64_t m = 0; m < kTileRows; ++m) {
-        const int64_t row = b * kTileRows + m;
-        tile[m] = row < rows ? _mm512_loadu_ps(xs + row * pair_stride + s * kTileRows)
-                             : _mm512_setzero_ps();
-      }
-      transpose16x16(tile);
-      float* to = reinterpret_cast<float*>(out.data()) + (b * steps + s) * kTileElements / 2;
-      for (int64_t r = 0; r < kTileRows; ++r) _mm512_storeu_ps(to + r * kTileRows, tile[r]);
-    }
+    for (int64_t s = 0; s < steps; ++s)
+      pair_tile(xs + b * kTileRows * x.stride(0) + s * kTileDepth, x.stride(0),
+                std::min(kTileRows, rows - b * kTileRows),
+                out.data() + (b * steps + s) * kTileElements / 2);
   return out;
 }
 

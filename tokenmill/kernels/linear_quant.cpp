@@ -74,10 +74,11 @@ struct Int16Activations {
 
 // sums[m][n] = dot(x row m, codes row n) for MT rows of x's int16 codes (from row m0) and
 // kWeightRows int8 rows (K a multiple of 32), scaled back by x's row scales. With `ahead` (the
-// next rows' codes), each line read asks for the same line of those (kernels/prefetch.cpp). The int32 sums are
-// exact in any order, so each row of W is read through before the next, two accumulators a row
-// of x: one stream of the block's bytes in address order, which the hardware prefetcher follows,
-// where four rows side by side are four streams of 576 bytes (SmolLM2) that it barely starts on.
+// next rows' codes), each line read asks for the same line of those (kernels/prefetch.cpp). The
+// int32 sums are exact in any order, so each row of W is read through before the next, two
+// accumulators a row of x: one stream of the block's bytes in address order, which the hardware
+// prefetcher follows, where four rows side by side are four streams of 576 bytes (SmolLM2) that
+// it barely starts on.
 template <int MT>
 inline void int8_tile(const Int16Activations& a, int64_t m0, const int8_t* codes,
                       int64_t in_features, float out[kInputRows][kWeightRows],

@@ -674,6 +674,7 @@ void amx_prefill(const c10::BFloat16* q, int64_t q_token_stride, const c10::BFlo
     std::vector<float> scores;     // [head][key][16 lanes]
     std::vector<uint32_t> values;  // [key / 2][D]: tiled_values' pairs
     std::vector<uint32_t> pairs(group * 2 * 256);  // per head, dimensions 0-31 and 32-63
+    std::vector<__m512> top;                        // per head, each lane's largest score
     alignas(64) uint16_t keys[kRun * D];
     alignas(64) uint16_t probs[kQueryTile * kChunkKeys];
     alignas(64) float acc[kQueryTile * D];
@@ -687,21 +688,13 @@ void amx_prefill(const c10::BFloat16* q, int64_t q_token_stride, const c10::BFlo
           _mm512_set1_epi32(prefix + t0),
           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
       for (int64_t j = 0; j < group; ++j)
-        for (int64_t half = 0; half < 2; ++half) {
-          __m512 rows[kQueryTile];  // lane p of row n: query n's dimensions 32 half + 2p, + 1
-          for (int64_t n = 0; n < kQueryTile; ++n)
-            rows[n] = n < count
-                ? _mm512_loadu_ps(reinterpret_cast<const float*>(
-                      q + (t0 + n) * q_token_stride + (h * group + j) * D + 32 * half))
-                : _mm512_setzero_ps();
-          transpose16x16(rows);
-          for (int64_t p = 0; p < kQueryTile; ++p)
-            _mm512_storeu_ps(reinterpret_cast<float*>(pairs.data()) + (j * 2 + half) * 256 +
-                                 p * 16, rows[p]);
-        }
+        for (int64_t half = 0; half < 2; ++half)
+          pair_tile(reinterpret_cast<const uint16_t*>(q + t0 * q_token_stride +
+                                                      (h * group + j) * D + 32 * half),
+                    q_token_stride, count, pairs.data() + (j * 2 + half) * 256);
       scores.resize(group * padded * kQueryTile);
       values.assign(padded / 2 * D, 0);  // keys past len meet p = 0, so must be finite
-      std::vector<__m512> top(group, _mm512_set1_ps(-INFINITY));
+      top.assign(group, _mm512_set1_ps(-INFINITY));
       for_each_run(k_cache + h * D, table, len, block_size, token_stride, kRun,
                    [&](int64_t t, const c10::BFloat16* rows, int64_t, int64_t run,
                        const Ahead& ahead) {
