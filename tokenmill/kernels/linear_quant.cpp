@@ -417,13 +417,16 @@ inline void int4_rows(const Int4Activations& a, const std::vector<Int4Chunk>& ch
           std::copy(quarter[m], quarter[m] + kWeightRows, sums[m] + n);
       }
     } else if (mt == 2) {
-      int4_tile<2, NR, WholeGroups>(a, chunks, m0, codes, row_bytes, scales, mins, half, sums, asks);
+      int4_tile<2, NR, WholeGroups>(a, chunks, m0, codes, row_bytes, scales, mins, half, sums,
+                                    asks);
     } else {
-      int4_tile<1, NR, WholeGroups>(a, chunks, m0, codes, row_bytes, scales, mins, half, sums, asks);
+      int4_tile<1, NR, WholeGroups>(a, chunks, m0, codes, row_bytes, scales, mins, half, sums,
+                                    asks);
     }
     for (int64_t m = 0; m < mt; ++m)
       for (int64_t n = 0; n < NR; ++n)
-        ys[(m0 + m) * out_features + n0 + n] = static_cast<c10::BFloat16>(finish(n0 + n, sums[m][n]));
+        ys[(m0 + m) * out_features + n0 + n] =
+            static_cast<c10::BFloat16>(finish(n0 + n, sums[m][n]));
     m0 += mt;
   }
 }
