@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -124,16 +125,15 @@ std::vector<uint32_t> pair_interleaved(const torch::Tensor& x) {
 // apart, step_bytes of each a step of K), each step asks for the lines of the next block that
 // it reads of this one (kernels/prefetch.cpp): 32 rows of x over SmolLM2's bf16 products in
 // 0.71x the time (benchmarks/bench_kernels_ab.py --formats bf16, AMX VM).
-template <int NW, int NX>
-inline void amx_block(const uint16_t* w, int64_t w_stride, const uint32_t* x_tiles,
-                      int64_t x_block_stride, int64_t steps, float* sums,
-                      const char* ahead, int64_t row_bytes, int64_t step_bytes) {
+template <int NW, int NX, typename WAt>
+inline void amx_block(WAt w_at, const uint32_t* x_tiles, int64_t x_block_stride, int64_t steps,
+                      float* sums, const char* ahead, int64_t row_bytes, int64_t step_bytes) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t s = 0; s < steps; ++s) {
-    const uint16_t* ws = w + s * kTileDepth;
+    const auto [ws, w_stride] = w_at(s);
     const uint32_t* xs = x_tiles + s * kTileElements / 2;
     if (ahead != nullptr && s * step_bytes % 64 < step_bytes)  // a step that starts a line
       prefetch_rows(ahead, NW * kTileRows, row_bytes, s * step_bytes);
@@ -160,19 +160,30 @@ inline void amx_block(const uint16_t* w, int64_t w_stride, const uint32_t* x_til
   }
 }
 
+// Columns of W widened a slice at a time: kSliceDepth of them for a block's rows, 8 KB.
+constexpr int64_t kSliceDepth = 128;
+constexpr int64_t kSliceSteps = kSliceDepth / kTileDepth;
+
 // out[m][n] = dot(x row m, W row n) * row_scales[n] + bias[n] for bfloat16 x [M, K] (K a
 // multiple of 32) and a W of out_features rows (a multiple of 16); row_scales and bias may be
-// null. `rows_at(n0, rows, scratch)` locates `rows` rows of W from n0 as bfloat16 (decoding them
-// into `scratch`, kBlockOutputs * w_stride elements a thread), once for all of x's rows.
+// null. `rows_at(n0, rows, k0, k1, scratch, scratch_stride)` locates columns [k0, k1) of `rows`
+// rows of W from n0 as bfloat16, {first, stride}: as W lies, or decoded into `scratch`
+// (`needs_scratch`), once for all of x's rows. A decoded W (`sliceable`: columns from any
+// multiple of kSliceDepth) is decoded kSliceDepth columns at a time, just before the tiles read
+// them, where x's rows take one pass over each block (up to 32): the whole block decoded first
+// (36 KB for K 576) and x's tiles for 32 rows (as much again) did not fit L1 together. SmolLM2's
+// products, 30 layers and the lm_head from memory, in 0.90x the time at 32 rows for int4 and
+// 0.88-0.94x at 16-32 for gguf's exact layers (benchmarks/bench_kernels_ab.py, AMX VM).
 // `stored` is where W's rows lie in memory as stored (bfloat16, or the codes decoded from),
 // `stored_row_bytes` apart.
 template <typename RowsAt>
 torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t w_stride,
-                          bool needs_scratch, RowsAt rows_at, const float* row_scales,
-                          const c10::BFloat16* bias, const void* stored,
+                          bool needs_scratch, bool sliceable, RowsAt rows_at,
+                          const float* row_scales, const c10::BFloat16* bias, const void* stored,
                           int64_t stored_row_bytes) {
   const int64_t rows = x.size(0), steps = x.size(1) / kTileDepth;
   const int64_t x_blocks = (rows + kTileRows - 1) / kTileRows;
+  const bool sliced = needs_scratch && sliceable && x_blocks <= 2;
   const std::vector<uint32_t> x_tiles = pair_interleaved(x);
   const int64_t x_block_stride = steps * kTileElements / 2;
   auto out = torch::empty({rows, out_features}, x.options());
@@ -180,12 +191,15 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
   const int64_t w_blocks = (out_features + kBlockOutputs - 1) / kBlockOutputs;
   at::parallel_for(0, w_blocks, 1, [&](int64_t begin, int64_t end) {
     const Tiles tiles;
-    std::vector<uint16_t> scratch(needs_scratch ? kBlockOutputs * w_stride : 0);
+    std::vector<uint16_t> scratch(
+        needs_scratch ? kBlockOutputs * (sliced ? kSliceDepth : w_stride) : 0);
     alignas(64) float sums[kBlockOutputs * kBlockInputs];
     for (int64_t block = begin; block < end; ++block) {
       const int64_t n0 = block * kBlockOutputs;
       const int64_t outputs = std::min(kBlockOutputs, out_features - n0);
-      const uint16_t* w = rows_at(n0, outputs, scratch.data());
+      const auto [whole, whole_stride] =
+          sliced ? std::pair<const uint16_t*, int64_t>{nullptr, 0}
+                 : rows_at(n0, outputs, 0, w_stride, scratch.data(), w_stride);
       for (int64_t xb = 0; xb < x_blocks; xb += 2) {
         const uint32_t* xs = x_tiles.data() + xb * x_block_stride;
         const bool two_x = xb + 1 < x_blocks;
@@ -194,17 +208,32 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
             ? static_cast<const char*>(stored) + (n0 + kBlockOutputs) * stored_row_bytes
             : nullptr;
         const int64_t step_bytes = stored_row_bytes / steps;
-        if (outputs == kBlockOutputs) {
-          if (two_x) amx_block<2, 2>(w, w_stride, xs, x_block_stride, steps, sums, ahead,
-                                     stored_row_bytes, step_bytes);
-          else amx_block<2, 1>(w, w_stride, xs, x_block_stride, steps, sums, ahead,
-                               stored_row_bytes, step_bytes);
-        } else {
-          if (two_x) amx_block<1, 2>(w, w_stride, xs, x_block_stride, steps, sums, ahead,
-                                     stored_row_bytes, step_bytes);
-          else amx_block<1, 1>(w, w_stride, xs, x_block_stride, steps, sums, ahead,
-                               stored_row_bytes, step_bytes);
-        }
+        const auto run = [&](auto w_at) {
+          if (outputs == kBlockOutputs) {
+            if (two_x) amx_block<2, 2>(w_at, xs, x_block_stride, steps, sums, ahead,
+                                       stored_row_bytes, step_bytes);
+            else amx_block<2, 1>(w_at, xs, x_block_stride, steps, sums, ahead,
+                                 stored_row_bytes, step_bytes);
+          } else {
+            if (two_x) amx_block<1, 2>(w_at, xs, x_block_stride, steps, sums, ahead,
+                                       stored_row_bytes, step_bytes);
+            else amx_block<1, 1>(w_at, xs, x_block_stride, steps, sums, ahead,
+                                 stored_row_bytes, step_bytes);
+          }
+        };
+        if (sliced)
+          run([&, n0 = n0, outputs = outputs](int64_t s) {
+            if (s % kSliceSteps == 0)
+              rows_at(n0, outputs, s * kTileDepth,
+                      std::min(s * kTileDepth + kSliceDepth, w_stride), scratch.data(),
+                      kSliceDepth);
+            return std::pair<const uint16_t*, int64_t>{
+                scratch.data() + s % kSliceSteps * kTileDepth, kSliceDepth};
+          });
+        else
+          run([&, whole = whole, whole_stride = whole_stride](int64_t s) {
+            return std::pair<const uint16_t*, int64_t>{whole + s * kTileDepth, whole_stride};
+          });
         // Each 16 x 16 of sums [outputs][rows of x] turned to [rows of x][outputs], finished
         // and rounded 16 outputs at a time.
         for (int64_t nt = 0; nt < outputs; nt += kTileRows) {

@@ -326,9 +326,11 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (use_amx(x.size(0), out_features, in_features))
     return amx_product(
-        x, out_features, in_features, false,
-        [&](int64_t n0, int64_t, uint16_t*) { return ws + n0 * in_features; }, nullptr,
-        b.values, ws, in_features * static_cast<int64_t>(sizeof(uint16_t)));
+        x, out_features, in_features, false, false,
+        [&](int64_t n0, int64_t, int64_t, int64_t, uint16_t*, int64_t) {
+          return std::pair<const uint16_t*, int64_t>{ws + n0 * in_features, in_features};
+        },
+        nullptr, b.values, ws, in_features * static_cast<int64_t>(sizeof(uint16_t)));
 #endif
   return few_rows_product(x, out_features, 0, rows_at,
                           BFloat16Rows{in_features, in_features, 32, true}, finish,

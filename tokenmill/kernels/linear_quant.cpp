@@ -175,28 +175,38 @@ inline __m512i lookup_int4_16(const uint8_t* bytes, __m512i table) {
   return _mm512_permutexvar_epi16(indices, table);
 }
 
-// kWeightRows int4 rows -> bfloat16 [kWeightRows, padded] in `out`, each group of 64 or more in
-// the codes' order: 32 values of the low nibbles, the 32 of their high nibbles, the next 32 low...
-// (fused_order puts x in the same order).
+// Columns [k0, k1) of kWeightRows int4 rows -> bfloat16 in `out` (column k0 first, rows `stride`
+// apart), each group of 64 or more in the codes' order: 32 values of the low nibbles, the 32 of
+// their high nibbles, the next 32 low... (fused_order puts x in the same order). k0 and k1 start
+// or end whole groups or runs of 64 within one.
+inline void widen_int4_columns(const uint8_t* codes, const float* scales, const float* mins,
+                               int64_t padded, int64_t group_size, int64_t groups, int64_t k0,
+                               int64_t k1, uint16_t* out, int64_t stride) {
+  for (int64_t row = 0; row < kWeightRows; ++row)
+    for (int64_t g = k0 / group_size; g < groups && g * group_size < k1; ++g) {
+      const int64_t r = row * groups + g, first = g * group_size;
+      const int64_t half = group_width(g, groups, padded, group_size) / 2;
+      const __m512i table = int4_table(scales[r], mins[r]);
+      const uint8_t* group_codes = codes + row * padded / 2 + first / 2;
+      uint16_t* group_out = out + row * stride + first - k0;
+      if (half % 32 == 0) {
+        for (int64_t i = std::max<int64_t>(0, (k0 - first) / 2); i < half && first + 2 * i < k1;
+             i += 32) {
+          __m512i low, high;
+          lookup_int4_32(group_codes + i, table, low, high);
+          _mm512_storeu_si512(group_out + 2 * i, low);
+          _mm512_storeu_si512(group_out + 2 * i + 32, high);
+        }
+      } else {
+        _mm512_storeu_si512(group_out, lookup_int4_16(group_codes, table));
+      }
+    }
+}
+
+// kWeightRows int4 rows -> bfloat16 [kWeightRows, padded] in `out`, in widen_int4_columns' order.
 inline void widen_int4_rows(const uint8_t* codes, const float* scales, const float* mins,
                             int64_t padded, int64_t group_size, int64_t groups, uint16_t* out) {
-  for (int64_t r = 0; r < kWeightRows * groups; ++r) {  // r: a group of some row
-    const int64_t row = r / groups, g = r % groups;
-    const int64_t half = group_width(g, groups, padded, group_size) / 2;
-    const __m512i table = int4_table(scales[r], mins[r]);
-    const uint8_t* group_codes = codes + row * padded / 2 + g * group_size / 2;
-    uint16_t* group_out = out + row * padded + g * group_size;
-    if (half % 32 == 0) {
-      for (int64_t i = 0; i < half; i += 32) {
-        __m512i low, high;
-        lookup_int4_32(group_codes + i, table, low, high);
-        _mm512_storeu_si512(group_out + 2 * i, low);
-        _mm512_storeu_si512(group_out + 2 * i + 32, high);
-      }
-    } else {
-      _mm512_storeu_si512(group_out, lookup_int4_16(group_codes, table));
-    }
-  }
+  widen_int4_columns(codes, scales, mins, padded, group_size, groups, 0, padded, out, padded);
 }
 
 // x [M, K] in widen_int4_rows' order, zero-padded to `padded`: bfloat16 [M, padded].
@@ -534,13 +544,14 @@ struct Int4Weights {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (tiles)
       return amx_product(
-          xo, out_features, padded, true,
-          [&](int64_t n0, int64_t count, uint16_t* scratch) {
+          xo, out_features, padded, true, true,
+          [&](int64_t n0, int64_t count, int64_t k0, int64_t k1, uint16_t* scratch,
+              int64_t stride) {
             for (int64_t r = 0; r < count; r += kWeightRows)
-              widen_int4_rows(codes + (n0 + r) * padded / 2, scales + (n0 + r) * groups,
-                              mins + (n0 + r) * groups, padded, group_size, groups,
-                              scratch + r * padded);
-            return static_cast<const uint16_t*>(scratch);
+              widen_int4_columns(codes + (n0 + r) * padded / 2, scales + (n0 + r) * groups,
+                                 mins + (n0 + r) * groups, padded, group_size, groups, k0, k1,
+                                 scratch + r * stride, stride);
+            return std::pair<const uint16_t*, int64_t>{scratch, stride};
           },
           nullptr, bias.values, codes, padded / 2);
 #endif
@@ -591,12 +602,12 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     // as linear_bf16 multiplies the de-quantized W
     if (use_amx(x.size(0), out_features, in_features))
       return amx_product(
-          x, out_features, in_features, true,
-          [&](int64_t n0, int64_t count, uint16_t* scratch) {
+          x, out_features, in_features, true, false,
+          [&](int64_t n0, int64_t count, int64_t, int64_t, uint16_t* scratch, int64_t) {
             for (int64_t r = 0; r < count; r += kWeightRows)
               widen_scaled_int8_rows(cs + (n0 + r) * in_features, ss + (n0 + r) * groups,
                                      in_features, in_features / groups, scratch + r * in_features);
-            return static_cast<const uint16_t*>(scratch);
+            return std::pair<const uint16_t*, int64_t>{scratch, in_features};
           },
           nullptr, b.values, cs, in_features);
 #endif
@@ -614,10 +625,10 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (use_amx(x.size(0), out_features, in_features))
     return amx_product(
-        x, out_features, in_features, true,
-        [&](int64_t n0, int64_t count, uint16_t* scratch) {
+        x, out_features, in_features, true, false,
+        [&](int64_t n0, int64_t count, int64_t, int64_t, uint16_t* scratch, int64_t) {
           widen_int8_rows(cs + n0 * in_features, in_features, count, scratch);
-          return static_cast<const uint16_t*>(scratch);
+          return std::pair<const uint16_t*, int64_t>{scratch, in_features};
         },
         ss, b.values, cs, in_features);
 #endif
