@@ -172,8 +172,9 @@ constexpr int64_t kSliceSteps = kSliceDepth / kTileDepth;
 // multiple of kSliceDepth) is decoded kSliceDepth columns at a time, just before the tiles read
 // them, where x's rows take one pass over each block (up to 32): the whole block decoded first
 // (36 KB for K 576) and x's tiles for 32 rows (as much again) did not fit L1 together. SmolLM2's
-// products, 30 layers and the lm_head from memory, in 0.90x the time at 32 rows for int4 and
-// 0.88-0.94x at 16-32 for gguf's exact layers (benchmarks/bench_kernels_ab.py, AMX VM).
+// products, 30 layers and the lm_head from memory, in 0.90x the time at 32 rows for int4,
+// 0.88-0.94x at 16-32 for gguf's exact layers and 0.80-0.86x for int8 (bench_kernels_ab.py,
+// AMX VM).
 // `stored` is where W's rows lie in memory as stored (bfloat16, or the codes decoded from),
 // `stored_row_bytes` apart.
 template <typename RowsAt>

@@ -114,27 +114,35 @@ inline void int8_tile(const Int16Activations& a, int64_t m0, const int8_t* codes
   }
 }
 
-// `rows` int8 rows -> bfloat16 [rows, K] in `out`.
-inline void widen_int8_rows(const int8_t* codes, int64_t in_features, int64_t rows,
-                            uint16_t* out) {
-  for (int64_t i = 0; i < rows * in_features; i += 32)
-    _mm512_storeu_si512(out + i, (__m512i)widen_int8(codes + i));
+// Columns [k0, k1) (multiples of 32) of `rows` int8 rows, K long, -> bfloat16 in `out` (column k0
+// first, rows `stride` apart).
+inline void widen_int8_columns(const int8_t* codes, int64_t in_features, int64_t rows,
+                               int64_t k0, int64_t k1, uint16_t* out, int64_t stride) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = k0; k < k1; k += 32)
+      _mm512_storeu_si512(out + r * stride + k - k0,
+                          (__m512i)widen_int8(codes + r * in_features + k));
 }
 
-// kWeightRows int8 rows with a float32 scale a group (group_size a multiple of 32) -> bfloat16
-// [kWeightRows, K] in `out`: code * scale rounded to float32, then to bfloat16, the values
-// dequantize_int8 gives.
-inline void widen_scaled_int8_rows(const int8_t* codes, const float* scales, int64_t in_features,
-                                   int64_t group_size, uint16_t* out) {
-  for (int64_t i = 0; i < kWeightRows * in_features; i += 32) {
-    const __m512 scale = _mm512_set1_ps(scales[i / group_size]);
-    const auto half = [&](int64_t at) {
-      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + at)))),
-                           scale);
-    };
-    _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(half(i + 16), half(i)));
-  }
+// Columns [k0, k1) of `rows` int8 rows with a float32 scale a group (group_size a multiple of 32)
+// -> bfloat16 as widen_int8_columns lays them out: code * scale rounded to float32, then to
+// bfloat16, the values dequantize_int8 gives.
+inline void widen_scaled_int8_columns(const int8_t* codes, const float* scales,
+                                      int64_t in_features, int64_t group_size, int64_t rows,
+                                      int64_t k0, int64_t k1, uint16_t* out, int64_t stride) {
+  const int64_t groups = in_features / group_size;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = k0; k < k1; k += 32) {
+      const int8_t* at = codes + r * in_features + k;
+      const __m512 scale = _mm512_set1_ps(scales[r * groups + k / group_size]);
+      const auto half = [&](int64_t offset) {
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + offset)))),
+                             scale);
+      };
+      _mm512_storeu_si512(out + r * stride + k - k0,
+                          (__m512i)_mm512_cvtne2ps_pbh(half(16), half(0)));
+    }
 }
 
 // int4 rows are padded / 2 bytes in groups (group_width): byte i of a group `width` wide holds
@@ -602,20 +610,21 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     // as linear_bf16 multiplies the de-quantized W
     if (use_amx(x.size(0), out_features, in_features))
       return amx_product(
-          x, out_features, in_features, true, false,
-          [&](int64_t n0, int64_t count, int64_t, int64_t, uint16_t* scratch, int64_t) {
-            for (int64_t r = 0; r < count; r += kWeightRows)
-              widen_scaled_int8_rows(cs + (n0 + r) * in_features, ss + (n0 + r) * groups,
-                                     in_features, in_features / groups, scratch + r * in_features);
-            return std::pair<const uint16_t*, int64_t>{scratch, in_features};
+          x, out_features, in_features, true, true,
+          [&](int64_t n0, int64_t count, int64_t k0, int64_t k1, uint16_t* scratch,
+              int64_t stride) {
+            widen_scaled_int8_columns(cs + n0 * in_features, ss + n0 * groups, in_features,
+                                      in_features / groups, count, k0, k1, scratch, stride);
+            return std::pair<const uint16_t*, int64_t>{scratch, stride};
           },
           nullptr, b.values, cs, in_features);
 #endif
     return few_rows_product(
         x, out_features, kWeightRows * in_features,
         [&](int64_t n0, uint16_t* scratch) {
-          widen_scaled_int8_rows(cs + n0 * in_features, ss + n0 * groups, in_features,
-                                 in_features / groups, scratch);
+          widen_scaled_int8_columns(cs + n0 * in_features, ss + n0 * groups, in_features,
+                                    in_features / groups, kWeightRows, 0, in_features, scratch,
+                                    in_features);
           return static_cast<const uint16_t*>(scratch);
         },
         BFloat16Rows{in_features, in_features}, [&](int64_t n, float sum) { return sum + b[n]; },
@@ -625,10 +634,11 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (use_amx(x.size(0), out_features, in_features))
     return amx_product(
-        x, out_features, in_features, true, false,
-        [&](int64_t n0, int64_t count, int64_t, int64_t, uint16_t* scratch, int64_t) {
-          widen_int8_rows(cs + n0 * in_features, in_features, count, scratch);
-          return std::pair<const uint16_t*, int64_t>{scratch, in_features};
+        x, out_features, in_features, true, true,
+        [&](int64_t n0, int64_t count, int64_t k0, int64_t k1, uint16_t* scratch,
+            int64_t stride) {
+          widen_int8_columns(cs + n0 * in_features, in_features, count, k0, k1, scratch, stride);
+          return std::pair<const uint16_t*, int64_t>{scratch, stride};
         },
         ss, b.values, cs, in_features);
 #endif
@@ -636,7 +646,8 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     return few_rows_product(
         x, out_features, kWeightRows * in_features,
         [&](int64_t n0, uint16_t* scratch) {
-          widen_int8_rows(cs + n0 * in_features, in_features, kWeightRows, scratch);
+          widen_int8_columns(cs + n0 * in_features, in_features, kWeightRows, 0, in_features,
+                             scratch, in_features);
           return static_cast<const uint16_t*>(scratch);
         },
         BFloat16Rows{in_features, in_features}, finish, prefetch);
