@@ -168,23 +168,22 @@ constexpr int64_t kSliceSteps = kSliceDepth / kTileDepth;
 // multiple of 32) and a W of out_features rows (a multiple of 16); row_scales and bias may be
 // null. `rows_at(n0, rows, k0, k1, scratch, scratch_stride)` locates columns [k0, k1) of `rows`
 // rows of W from n0 as bfloat16, {first, stride}: as W lies, or decoded into `scratch`
-// (`needs_scratch`), once for all of x's rows. A decoded W (`sliceable`: columns from any
-// multiple of kSliceDepth) is decoded kSliceDepth columns at a time, just before the tiles read
-// them, where x's rows take one pass over each block (up to 32): the whole block decoded first
-// (36 KB for K 576) and x's tiles for 32 rows (as much again) did not fit L1 together. SmolLM2's
-// products, 30 layers and the lm_head from memory, in 0.90x the time at 32 rows for int4,
-// 0.88-0.94x at 16-32 for gguf's exact layers and 0.80-0.86x for int8 (bench_kernels_ab.py,
-// AMX VM).
-// `stored` is where W's rows lie in memory as stored (bfloat16, or the codes decoded from),
-// `stored_row_bytes` apart.
+// (`needs_scratch`), once for all of x's rows; k0 is a multiple of kSliceDepth. A decoded W is
+// decoded kSliceDepth columns at a time, just before the tiles read them, where x's rows take
+// one pass over each block (up to 32): the whole block decoded first (36 KB for K 576) and x's
+// tiles for 32 rows (as much again) did not fit L1 together. SmolLM2's products, 30 layers and
+// the lm_head from memory, in 0.90x the time at 32 rows for int4, 0.88-0.94x at 16-32 for
+// gguf's exact layers and 0.80-0.86x for int8 (bench_kernels_ab.py, AMX VM). `stored` is where
+// W's rows lie in memory as stored (bfloat16, or the codes decoded from), `stored_row_bytes`
+// apart.
 template <typename RowsAt>
 torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t w_stride,
-                          bool needs_scratch, bool sliceable, RowsAt rows_at,
-                          const float* row_scales, const c10::BFloat16* bias, const void* stored,
+                          bool needs_scratch, RowsAt rows_at, const float* row_scales,
+                          const c10::BFloat16* bias, const void* stored,
                           int64_t stored_row_bytes) {
   const int64_t rows = x.size(0), steps = x.size(1) / kTileDepth;
   const int64_t x_blocks = (rows + kTileRows - 1) / kTileRows;
-  const bool sliced = needs_scratch && sliceable && x_blocks <= 2;
+  const bool sliced = needs_scratch && x_blocks <= 2;
   const std::vector<uint32_t> x_tiles = pair_interleaved(x);
   const int64_t x_block_stride = steps * kTileElements / 2;
   auto out = torch::empty({rows, out_features}, x.options());

@@ -326,7 +326,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (use_amx(x.size(0), out_features, in_features))
     return amx_product(
-        x, out_features, in_features, false, false,
+        x, out_features, in_features, false,
         [&](int64_t n0, int64_t, int64_t, int64_t, uint16_t*, int64_t) {
           return std::pair<const uint16_t*, int64_t>{ws + n0 * in_features, in_features};
         },

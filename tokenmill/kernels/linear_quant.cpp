@@ -552,7 +552,7 @@ struct Int4Weights {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (tiles)
       return amx_product(
-          xo, out_features, padded, true, true,
+          xo, out_features, padded, true,
           [&](int64_t n0, int64_t count, int64_t k0, int64_t k1, uint16_t* scratch,
               int64_t stride) {
             for (int64_t r = 0; r < count; r += kWeightRows)
@@ -610,7 +610,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     // as linear_bf16 multiplies the de-quantized W
     if (use_amx(x.size(0), out_features, in_features))
       return amx_product(
-          x, out_features, in_features, true, true,
+          x, out_features, in_features, true,
           [&](int64_t n0, int64_t count, int64_t k0, int64_t k1, uint16_t* scratch,
               int64_t stride) {
             widen_scaled_int8_columns(cs + n0 * in_features, ss + n0 * groups, in_features,
@@ -634,7 +634,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (use_amx(x.size(0), out_features, in_features))
     return amx_product(
-        x, out_features, in_features, true, true,
+        x, out_features, in_features, true,
         [&](int64_t n0, int64_t count, int64_t k0, int64_t k1, uint16_t* scratch,
             int64_t stride) {
           widen_int8_columns(cs + n0 * in_features, in_features, count, k0, k1, scratch, stride);
