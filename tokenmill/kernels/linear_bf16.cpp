@@ -327,8 +327,8 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
   if (use_amx(x.size(0), out_features, in_features))
     return amx_product(
         x, out_features, in_features, false,
-        [&](int64_t n0, int64_t, int64_t, int64_t, uint16_t*, int64_t) {
-          return std::pair<const uint16_t*, int64_t>{ws + n0 * in_features, in_features};
+        [&](int64_t n0, int64_t, int64_t k0, int64_t, uint16_t*, int64_t) {
+          return std::pair<const uint16_t*, int64_t>{ws + n0 * in_features + k0, in_features};
         },
         nullptr, b.values, ws, in_features * static_cast<int64_t>(sizeof(uint16_t)));
 #endif

@@ -251,6 +251,33 @@ inline __m512i int4_lane_groups(int64_t half) {
       __builtin_ctzll(half));
 }
 
+// The first min(count, 16) of 16 lanes.
+inline __mmask16 first_lanes(int64_t count) {
+  return static_cast<__mmask16>(count >= 16 ? 0xFFFF : (1u << count) - 1);
+}
+
+// What a chunk (64 bytes of a weight row) needs to know of where it lies, the same for every
+// row of W: the bytes of it the row has (the last may be short), its first group, and the lanes
+// whose groups the row has. Worked out once a call: in the tile, a 64-bit division and the
+// masks' arithmetic had been about a fifth of the one-row loop's instructions.
+struct Int4Chunk {
+  __mmask64 bytes;
+  __mmask16 lanes;
+  int64_t first_group;
+};
+
+std::vector<Int4Chunk> int4_chunks(int64_t row_bytes, int64_t half, int64_t groups) {
+  std::vector<Int4Chunk> chunks;
+  for (int64_t first_byte = 0; first_byte < row_bytes; first_byte += 64) {
+    const int64_t first_group = first_byte / half;
+    chunks.push_back({row_bytes - first_byte >= 64
+                          ? ~__mmask64{0}
+                          : (__mmask64{1} << (row_bytes - first_byte)) - 1,
+                      first_lanes(groups - first_group), first_group});
+  }
+  return chunks;
+}
+
 // x [M, K] quantized for the int4 product, laid out 64 bytes of a weight row (a "chunk") at a
 // time: for each chunk, the 64 codes its low nibbles meet, then the 64 its high nibbles meet;
 // for each chunk's 16 lanes, x's scale and -8 times the sum of the lane's 8 codes. x's codes
@@ -259,14 +286,16 @@ inline __m512i int4_lane_groups(int64_t half) {
 // With rotation signs, x is rotated first (hadamard.cpp), in float32, never rounded.
 struct Int4Activations {
   int64_t chunks, groups;
-  std::vector<int8_t> codes;     // [M, chunks, 2, 64]
-  std::vector<int32_t> offsets;  // [M, chunks, 16]
-  std::vector<float> scales;     // [M, chunks, 16]
-  std::vector<float> sums;       // [M, groups]: sum of x over the group, in float32
+  std::vector<Int4Chunk> layout;  // [chunks]: where each chunk of W's rows lies
+  std::vector<int8_t> codes;      // [M, chunks, 2, 64]
+  std::vector<int32_t> offsets;   // [M, chunks, 16]
+  std::vector<float> scales;      // [M, chunks, 16]
+  std::vector<float> sums;        // [M, groups]: sum of x over the group, in float32
 
   Int4Activations(const torch::Tensor& x, int64_t padded, int64_t group_size, int64_t groups_,
                   const float* rotation_signs)
       : chunks((padded / 2 + 63) / 64), groups(groups_),
+        layout(int4_chunks(padded / 2, group_size / 2, groups)),
         codes(x.size(0) * chunks * 128, 0), offsets(x.size(0) * chunks * 16),
         scales(x.size(0) * chunks * 16), sums(x.size(0) * groups) {
     const int64_t in_features = x.size(1);
@@ -315,30 +344,6 @@ struct Int4Activations {
   }
 };
 
-// What a chunk (64 bytes of a weight row) needs to know of where it lies, the same for every
-// row of W: the bytes of it the row has (the last may be short), its first group, and how many
-// of its 16 lanes' groups the row has. Worked out once a call: worked out in the tile, a 64-bit
-// division and the masks' arithmetic were about a fifth of the one-row loop's instructions.
-struct Int4Chunk {
-  __mmask64 bytes;
-  __mmask16 lanes;
-  int64_t first_group;
-};
-
-std::vector<Int4Chunk> int4_chunks(int64_t row_bytes, int64_t half, int64_t groups) {
-  std::vector<Int4Chunk> chunks;
-  for (int64_t first_byte = 0; first_byte < row_bytes; first_byte += 64) {
-    const int64_t first_group = first_byte / half;
-    chunks.push_back(
-        {row_bytes - first_byte >= 64 ? ~__mmask64{0}
-                                      : (__mmask64{1} << (row_bytes - first_byte)) - 1,
-         static_cast<__mmask16>(groups - first_group >= 16 ? 0xFFFF
-                                                           : (1u << (groups - first_group)) - 1),
-         first_group});
-  }
-  return chunks;
-}
-
 // out[m][n] = dot(x row m0 + m, W row n) for MT rows of quantized x and NR int4 rows of W (codes
 // row_bytes apart, scales and mins `groups` apart). x's codes, offsets and scales for a chunk are
 // loaded once for the NR rows and each row's codes are unpacked once for the MT rows of x, so
@@ -348,9 +353,9 @@ std::vector<Int4Chunk> int4_chunks(int64_t row_bytes, int64_t half, int64_t grou
 // lies in one group (groups of 128 or more), whose scale is broadcast. With `ahead` (the next
 // rows' codes), each chunk read asks for the same chunk of those (kernels/prefetch.cpp).
 template <int MT, int NR, bool WholeGroups>
-inline void int4_tile(const Int4Activations& a, const std::vector<Int4Chunk>& chunks, int64_t m0,
-                      const uint8_t* codes, int64_t row_bytes, const float* scales,
-                      const float* mins, int64_t half, float (*out)[NR], const uint8_t* ahead) {
+inline void int4_tile(const Int4Activations& a, int64_t m0, const uint8_t* codes,
+                      int64_t row_bytes, const float* scales, const float* mins, int64_t half,
+                      float (*out)[NR], const uint8_t* ahead) {
   static_assert(NR % kWeightRows == 0, "store_sums sums four rows at a time");
   const int64_t groups = a.groups;
   const __m512i lane_group = int4_lane_groups(half);
@@ -361,7 +366,7 @@ inline void int4_tile(const Int4Activations& a, const std::vector<Int4Chunk>& ch
 #pragma GCC unroll 8
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
   for (int64_t c = 0; c < a.chunks; ++c) {
-    const Int4Chunk chunk = chunks[c];
+    const Int4Chunk chunk = a.layout[c];
     const int64_t first_byte = 64 * c;
     if (ahead != nullptr) prefetch_rows(ahead, NR, row_bytes, first_byte);
     __m512i x_low[MT], x_high[MT], offsets[MT];
@@ -394,8 +399,7 @@ inline void int4_tile(const Int4Activations& a, const std::vector<Int4Chunk>& ch
   }
   // + (min + 8 * scale) * sum(x) of every group, 16 groups at a time, into the lanes summed next.
   for (int64_t g = 0; g < groups; g += 16) {
-    const __mmask16 lanes = static_cast<__mmask16>(groups - g >= 16 ? 0xFFFF
-                                                                    : (1u << (groups - g)) - 1);
+    const __mmask16 lanes = first_lanes(groups - g);
 #pragma GCC unroll 8
     for (int n = 0; n < NR; ++n) {
       const __m512 zero = _mm512_fmadd_ps(
@@ -415,10 +419,10 @@ inline void int4_tile(const Int4Activations& a, const std::vector<Int4Chunk>& ch
 // One tile of NR rows of W (from n0) against every row of x, into ys: four rows of x at a time
 // by four rows of W (16 accumulators), then two or one by all NR (x's registers are 4 a row).
 template <int NR, bool WholeGroups, typename Finish>
-inline void int4_rows(const Int4Activations& a, const std::vector<Int4Chunk>& chunks,
-                      int64_t rows, const uint8_t* codes, int64_t row_bytes, const float* scales,
-                      const float* mins, int64_t half, const uint8_t* ahead, int64_t n0,
-                      int64_t out_features, c10::BFloat16* ys, Finish finish) {
+inline void int4_rows(const Int4Activations& a, int64_t rows, const uint8_t* codes,
+                      int64_t row_bytes, const float* scales, const float* mins, int64_t half,
+                      const uint8_t* ahead, int64_t n0, int64_t out_features, c10::BFloat16* ys,
+                      Finish finish) {
   float sums[kInputRows][NR];
   const int64_t groups = a.groups;
   for (int64_t m0 = 0; m0 < rows;) {
@@ -429,17 +433,15 @@ inline void int4_rows(const Int4Activations& a, const std::vector<Int4Chunk>& ch
       for (int64_t n = 0; n < NR; n += kWeightRows) {
         float quarter[kInputRows][kWeightRows];
         int4_tile<4, kWeightRows, WholeGroups>(
-            a, chunks, m0, codes + n * row_bytes, row_bytes, scales + n * groups,
+            a, m0, codes + n * row_bytes, row_bytes, scales + n * groups,
             mins + n * groups, half, quarter, asks ? asks + n * row_bytes : nullptr);
         for (int64_t m = 0; m < 4; ++m)
           std::copy(quarter[m], quarter[m] + kWeightRows, sums[m] + n);
       }
     } else if (mt == 2) {
-      int4_tile<2, NR, WholeGroups>(a, chunks, m0, codes, row_bytes, scales, mins, half, sums,
-                                    asks);
+      int4_tile<2, NR, WholeGroups>(a, m0, codes, row_bytes, scales, mins, half, sums, asks);
     } else {
-      int4_tile<1, NR, WholeGroups>(a, chunks, m0, codes, row_bytes, scales, mins, half, sums,
-                                    asks);
+      int4_tile<1, NR, WholeGroups>(a, m0, codes, row_bytes, scales, mins, half, sums, asks);
     }
     for (int64_t m = 0; m < mt; ++m)
       for (int64_t n = 0; n < NR; ++n)
@@ -489,7 +491,6 @@ struct Int4Weights {
   torch::Tensor code_product(const torch::Tensor& x, const Int4Activations& a) const {
     constexpr int64_t kTileOutputs = 8;
     const int64_t rows = x.size(0), row_bytes = padded / 2, half = group_size / 2;
-    const std::vector<Int4Chunk> chunks = int4_chunks(row_bytes, half, groups);
     auto out = torch::empty({rows, out_features}, x.options());
     auto* ys = out.data_ptr<c10::BFloat16>();
     const auto finish = [&](int64_t n, float sum) { return sum + bias[n]; };
@@ -501,7 +502,7 @@ struct Int4Weights {
         const uint8_t* ahead = t + 1 < end ? tile_codes + kTileOutputs * row_bytes : nullptr;
         const auto run = [&](auto outputs, auto whole_groups) {
           int4_rows<decltype(outputs)::value, decltype(whole_groups)::value>(
-              a, chunks, rows, tile_codes, row_bytes, scales + n0 * groups, mins + n0 * groups,
+              a, rows, tile_codes, row_bytes, scales + n0 * groups, mins + n0 * groups,
               half, ahead, n0, out_features, ys, finish);
         };
         using Eight = std::integral_constant<int, kTileOutputs>;
