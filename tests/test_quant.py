@@ -111,14 +111,17 @@ KERNELS = [pytest.param("tokenmill", marks=pytest.mark.skipif(
 
 def activation_group(layer: QuantizedLinear, rows: int) -> int | None:
     """A run of x's values holding those whose int8 codes share a scale where tokenmill's int4
-    kernel quantizes x (kernels/linear_quant.cpp: 16 values and the 16 half a group later); None
-    where x is multiplied as it is."""
+    kernel quantizes x (kernels/linear_quant.cpp: 16 values and the 16 half a group later up to
+    a few rows, a group on AMX-INT8 tiles); None where x is multiplied as it is."""
     if layer.packed_kernel != "tokenmill" or rows > layer.packed_max_rows:
         return None
-    # kInt8ActivationMaxRows, or kInt8ActivationMaxRowsWithAmx where AMX tiles take more rows
-    if not isinstance(layer, Int4Linear) or rows > (8 if cpu_has_amx() else 16):
+    if not isinstance(layer, Int4Linear):
         return None
-    return layer.group_size
+    # kInt4TileMinGroup: AMX-INT8 tiles take every row count past the few-row tiles
+    if cpu_has_amx() and layer.group_size >= 128:
+        return layer.group_size
+    # kInt8ActivationMaxRows, or kInt8ActivationMaxRowsWithAmx where AMX tiles take more rows
+    return layer.group_size if rows <= (8 if cpu_has_amx() else 16) else None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -160,6 +160,35 @@ inline void amx_block(WAt w_at, const uint32_t* x_tiles, int64_t x_block_stride,
   }
 }
 
+// Writes a block's sums [outputs][kBlockInputs rows of x, from m_first] to out[m][n0 + ...]
+// (bfloat16, out_features a row): each 16 x 16 turned to [rows of x][outputs], then scaled by
+// row_scales (may be null), shifted by bias (may be null) and rounded, 16 outputs at a time.
+inline void store_block(const float* sums, int64_t n0, int64_t outputs, int64_t m_first,
+                        int64_t rows, const float* row_scales, const c10::BFloat16* bias,
+                        uint16_t* ys, int64_t out_features) {
+  for (int64_t nt = 0; nt < outputs; nt += kTileRows) {
+    const int64_t n = n0 + nt;
+    const __m512 scale = row_scales ? _mm512_loadu_ps(row_scales + n) : _mm512_set1_ps(1.f);
+    const __m512 shift = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n))), 16))
+                              : _mm512_setzero_ps();
+    for (int64_t mt = 0; mt < kBlockInputs && m_first + mt < rows; mt += kTileRows) {
+      __m512 tile[kTileRows];
+      for (int64_t r = 0; r < kTileRows; ++r)
+        tile[r] = _mm512_load_ps(sums + (nt + r) * kBlockInputs + mt);
+      transpose16x16(tile);
+      const int64_t m0 = m_first + mt;
+      for (int64_t m = 0; m < std::min(kTileRows, rows - m0); ++m) {
+        __m512 value = tile[m];
+        if (row_scales) value = _mm512_mul_ps(value, scale);
+        value = _mm512_add_ps(value, shift);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ys + (m0 + m) * out_features + n),
+                            (__m256i)_mm512_cvtneps_pbh(value));
+      }
+    }
+  }
+}
+
 // Columns of W widened a slice at a time: kSliceDepth of them for a block's rows, 8 KB.
 constexpr int64_t kSliceDepth = 128;
 constexpr int64_t kSliceSteps = kSliceDepth / kTileDepth;
@@ -234,29 +263,7 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
           run([&, whole = whole, whole_stride = whole_stride](int64_t s) {
             return std::pair<const uint16_t*, int64_t>{whole + s * kTileDepth, whole_stride};
           });
-        // Each 16 x 16 of sums [outputs][rows of x] turned to [rows of x][outputs], finished
-        // and rounded 16 outputs at a time.
-        for (int64_t nt = 0; nt < outputs; nt += kTileRows) {
-          const int64_t n = n0 + nt;
-          const __m512 scale = row_scales ? _mm512_loadu_ps(row_scales + n) : _mm512_set1_ps(1.f);
-          const __m512 shift = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n))), 16))
-                                    : _mm512_setzero_ps();
-          for (int64_t mt = 0; mt < kBlockInputs && (xb * kTileRows + mt) < rows; mt += kTileRows) {
-            __m512 tile[kTileRows];
-            for (int64_t r = 0; r < kTileRows; ++r)
-              tile[r] = _mm512_load_ps(sums + (nt + r) * kBlockInputs + mt);
-            transpose16x16(tile);
-            const int64_t m0 = xb * kTileRows + mt;
-            for (int64_t m = 0; m < std::min(kTileRows, rows - m0); ++m) {
-              __m512 value = tile[m];
-              if (row_scales) value = _mm512_mul_ps(value, scale);
-              value = _mm512_add_ps(value, shift);
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(ys + (m0 + m) * out_features + n),
-                                  (__m256i)_mm512_cvtneps_pbh(value));
-            }
-          }
-        }
+        store_block(sums, n0, outputs, xb * kTileRows, rows, row_scales, bias, ys, out_features);
       }
     }
   });

@@ -156,7 +156,8 @@ inline void widen_scaled_int8_columns(const int8_t* codes, const float* scales,
 constexpr int64_t kInt8ActivationMaxRows = 16;
 // With AMX tiles (linear_amx.cpp), widening int4 codes for them is the tiles' main cost; the
 // int8-code path still won up to 8 rows there (SmolLM2's gate_up: 124 against 133 us at 8 rows,
-// AMX 122 against about 180 at 12; benchmarks/bench_quant_kernels.py).
+// AMX 122 against about 180 at 12; benchmarks/bench_quant_kernels.py). Groups of 128 or more
+// skip the widening: AMX-INT8 tiles take them from kInt4TileMinRows rows (below).
 constexpr int64_t kInt8ActivationMaxRowsWithAmx = 8;
 
 // Widened, a group's 16 possible values, code * scale + min rounded to
@@ -450,6 +451,192 @@ inline void int4_rows(const Int4Activations& a, int64_t rows, const uint8_t* cod
     m0 += mt;
   }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+// From kInt4TileMinRows rows, int4 groups of 128 or more meet x's int8 codes on AMX-INT8 tiles
+// (TDPBUSD: W's unsigned codes by x's signed ones, 16 x 16 x 64 products), where widening every
+// code to bfloat16 for TDPBF16PS had been a third of the product's time at 32 rows. Unpacking a code is an AND (and a shift for the high nibbles), and a tile step covers 64
+// values of K instead of 32, so the tiles load half the bytes a product. The price: W's scale
+// and min change every group, so each group's int32 sums leave the tiles and are scaled into
+// float32 sums. x is quantized per row and group, s = max |x| / 127; as in the few-row path the
+// codes are centred, scale * s * (sum(code * xq) - 8 sum(xq)) + (min + 8 scale) * sum(x), with
+// x's exact sum. A row's result doesn't depend on the rows beside it.
+constexpr int64_t kCodeStep = 64;  // values of K a tile step: 16 rows of 4 bytes in x's tiles
+// Groups of 64 or 32 would leave the tiles every step or two: those keep the widened path.
+constexpr int64_t kInt4TileMinGroup = 128;
+// Below 7 rows the VPDPBUSD tiles (int4_tile) took less time (SmolLM2's products from memory:
+// 1.18x and 1.06x the time at 5 and 6 rows, 0.89x and 0.86x at 7 and 8;
+// benchmarks/bench_kernels_ab.py --formats int4, AMX VM).
+constexpr int64_t kInt4TileMinRows = 7;
+
+// Where each group's values lie among the tile steps: groups of 128 or more fill whole steps;
+// a last group of 64 or 32 takes one, zero-padded.
+struct Int4TileSteps {
+  std::vector<int64_t> first;  // [groups + 1]: the group's first step; first[groups]: all
+  Int4TileSteps(int64_t padded, int64_t group_size, int64_t groups) : first(groups + 1, 0) {
+    for (int64_t g = 0; g < groups; ++g)
+      first[g + 1] = first[g] + (group_width(g, groups, padded, group_size) + kCodeStep - 1) /
+                                    kCodeStep;
+  }
+};
+
+// x [M, K] as the tiles' B operand, 16 rows of x a block: for block b and step t, 16 rows of 4
+// consecutive values of K by 16 rows of x (element (r, 4 m + j) is value 4 r + j of the step
+// for row 16 b + m); then per block and group, lanes of the 16 rows: s, 8 s sum(xq), sum(x).
+struct Int4TileActivations {
+  int64_t blocks, steps, groups;
+  std::vector<int8_t> tiles;  // [blocks, steps, 16, 64]
+  std::vector<float> lanes;   // [blocks, groups, 3, 16]
+
+  Int4TileActivations(const torch::Tensor& x, int64_t padded, int64_t group_size,
+                      const Int4TileSteps& layout, const float* rotation_signs)
+      : blocks((x.size(0) + kTileRows - 1) / kTileRows),
+        steps(layout.first.back()),
+        groups(static_cast<int64_t>(layout.first.size()) - 1),
+        tiles(blocks * steps * kTileRows * 64, 0),
+        lanes(blocks * groups * 3 * kTileRows, 0.f) {
+    const int64_t in_features = x.size(1);
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> values(padded, 0.f);
+      alignas(64) int8_t codes[kCodeStep];
+      for (int64_t m = begin; m < end; ++m) {
+        const auto* row = x.data_ptr<c10::BFloat16>() + m * x.stride(0);
+        for (int64_t k = 0; k < in_features; ++k) values[k] = static_cast<float>(row[k]);
+        if (rotation_signs)
+          for (int64_t k = 0; k < in_features; k += kHadamardBlock)
+            rotate_block(values.data() + k, rotation_signs);
+        const int64_t b = m / kTileRows, lane = m % kTileRows;
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* group = values.data() + g * group_size;
+          const int64_t width = group_width(g, groups, padded, group_size);
+          __m512 sum = _mm512_setzero_ps(), peak = _mm512_setzero_ps();
+          for (int64_t i = 0; i < width; i += 16) {
+            const __m512 v = _mm512_loadu_ps(group + i);
+            sum = _mm512_add_ps(sum, v);
+            peak = _mm512_max_ps(peak, _mm512_abs_ps(v));
+          }
+          const float max = _mm512_reduce_max_ps(peak), scale = max / 127.f;
+          const __m512 inverse = _mm512_set1_ps(max > 0.f ? 127.f / max : 0.f);
+          int32_t code_sum = 0;
+          for (int64_t i = 0; i < width; i += kCodeStep) {
+            std::fill_n(codes, kCodeStep, int8_t{0});
+            for (int64_t j = 0; j < std::min(kCodeStep, width - i); j += 16) {
+              const __m512i q = _mm512_cvtps_epi32(
+                  _mm512_mul_ps(_mm512_loadu_ps(group + i + j), inverse));
+              code_sum += _mm512_reduce_add_epi32(q);
+              _mm_store_si128(reinterpret_cast<__m128i*>(codes + j), _mm512_cvtsepi32_epi8(q));
+            }
+            int8_t* tile = tiles.data() + (b * steps + layout.first[g] + i / kCodeStep) * 1024;
+            for (int64_t r = 0; r < kTileRows; ++r)
+              std::memcpy(tile + r * 64 + lane * 4, codes + 4 * r, 4);
+          }
+          float* at = lanes.data() + (b * groups + g) * 3 * kTileRows + lane;
+          at[0] = scale;
+          at[kTileRows] = 8.f * scale * static_cast<float>(code_sum);
+          at[2 * kTileRows] = _mm512_reduce_add_ps(sum);
+        }
+      }
+    });
+  }
+};
+
+// The codes of `outputs` int4 rows from n0 unpacked to one byte each, in tile steps: [outputs,
+// steps, 64], each group's values in order (low nibbles, then high; a group of 32 or 64 in one
+// zero-padded step).
+inline void unpack_int4_steps(const uint8_t* codes, int64_t row_bytes, int64_t outputs,
+                              int64_t group_size, int64_t groups, int64_t padded,
+                              const Int4TileSteps& layout, uint8_t* out) {
+  const int64_t steps = layout.first.back();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t r = 0; r < outputs; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* bytes = codes + r * row_bytes + g * group_size / 2;
+      uint8_t* step = out + (r * steps + layout.first[g]) * kCodeStep;
+      const int64_t half = group_width(g, groups, padded, group_size) / 2;
+      if (half >= kCodeStep) {
+        for (int64_t i = 0; i < half; i += kCodeStep) {
+          const __m512i raw = _mm512_loadu_si512(bytes + i);
+          _mm512_storeu_si512(step + i, _mm512_and_si512(raw, nibble));
+          _mm512_storeu_si512(step + half + i,
+                              _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble));
+        }
+      } else {  // 32 or 16 bytes: low nibbles, high nibbles, zeros
+        const __m512i raw = _mm512_maskz_loadu_epi8(
+            static_cast<__mmask64>((__mmask64{1} << half) - 1), bytes);
+        const __m512i low = _mm512_and_si512(raw, nibble);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        _mm512_storeu_si512(step, _mm512_mask_expand_epi8(
+            low, static_cast<__mmask64>(((__mmask64{1} << half) - 1) << half), high));
+      }
+    }
+}
+// One block of NW tiles of W's unpacked codes (`unpacked`, [NW * 16, steps, 64]) by NX tiles of
+// x (blocks xb, xb + 1), group by group: each group's int32 sums, scaled, into sums [NW * 16
+// outputs][kBlockInputs rows of x] (float32, zeroed here). With `ahead` (the next block's codes,
+// ahead_bytes from there), each output's scaling asks for a line of them, a group's share of the
+// lines a group (kernels/prefetch.cpp): asked for in one burst a block, or a line of each row a
+// step, the loop asking had held an eighth of the product's time.
+template <int NW, int NX>
+inline void int4_code_block(const uint8_t* unpacked, const Int4TileActivations& a, int64_t xb,
+                            const Int4TileSteps& layout, const float* scales, const float* zeros,
+                            float* sums, const uint8_t* ahead, int64_t ahead_bytes) {
+  const int64_t steps = a.steps, groups = a.groups, w_stride = steps * kCodeStep;
+  const int8_t* x_tiles = a.tiles.data() + xb * steps * 1024;
+  const auto first_line = reinterpret_cast<uintptr_t>(ahead) & ~uintptr_t{63};
+  const int64_t lines = ahead == nullptr ? 0 : (reinterpret_cast<uintptr_t>(ahead) + ahead_bytes -
+                                                first_line + 63) / 64;
+  const int64_t group_lines = (lines + groups - 1) / groups;
+  alignas(64) int32_t c[4][kTileRows * kTileRows];
+  std::fill_n(sums, kBlockOutputs * kBlockInputs, 0.f);
+  for (int64_t g = 0; g < groups; ++g) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t t = layout.first[g]; t < layout.first[g + 1]; ++t) {
+      const uint8_t* w = unpacked + t * kCodeStep;
+      _tile_loadd(4, w, w_stride);
+      _tile_loadd(6, x_tiles + t * 1024, 64);
+      _tile_dpbusd(0, 4, 6);
+      if constexpr (NX == 2) {
+        _tile_loadd(7, x_tiles + (steps + t) * 1024, 64);
+        _tile_dpbusd(1, 4, 7);
+      }
+      if constexpr (NW == 2) {
+        _tile_loadd(5, w + kTileRows * w_stride, w_stride);
+        _tile_dpbusd(2, 5, 6);
+        if constexpr (NX == 2) _tile_dpbusd(3, 5, 7);
+      }
+    }
+    _tile_stored(0, c[0], 64);
+    if constexpr (NX == 2) _tile_stored(1, c[1], 64);
+    if constexpr (NW == 2) {
+      _tile_stored(2, c[2], 64);
+      if constexpr (NX == 2) _tile_stored(3, c[3], 64);
+    }
+    for (int i = 0; i < NW; ++i)
+      for (int j = 0; j < NX; ++j) {
+        const float* lanes = a.lanes.data() + ((xb + j) * groups + g) * 3 * kTileRows;
+        const __m512 x_scale = _mm512_loadu_ps(lanes), x_offset = _mm512_loadu_ps(lanes + 16),
+                     x_sum = _mm512_loadu_ps(lanes + 32);
+#pragma GCC unroll 16
+        for (int64_t r = 0; r < kTileRows; ++r) {
+          const int64_t n = i * kTileRows + r;
+          if (j == 0 && n < group_lines && g * group_lines + n < lines)
+            __builtin_prefetch(reinterpret_cast<const void*>(first_line + (g * group_lines + n) * 64), 0, 2);
+          float* at = sums + n * kBlockInputs + j * kTileRows;
+          const __m512 centred = _mm512_fmsub_ps(
+              _mm512_cvtepi32_ps(_mm512_load_si512(c[2 * i + j] + r * kTileRows)), x_scale,
+              x_offset);
+          __m512 sum = _mm512_fmadd_ps(centred, _mm512_set1_ps(scales[n * groups + g]),
+                                       _mm512_load_ps(at));
+          sum = _mm512_fmadd_ps(x_sum, _mm512_set1_ps(zeros[n * groups + g]), sum);
+          _mm512_store_ps(at, sum);
+        }
+      }
+  }
+}
+#endif
 #endif
 
 #if defined(__AVX512BF16__)
@@ -519,6 +706,58 @@ struct Int4Weights {
     });
     return out;
   }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+  // x by W on AMX-INT8 tiles through x's int8 codes per row and group (groups of 128 or more):
+  // each block of 32 rows of W unpacked once for every row of x, each thread a run of blocks.
+  torch::Tensor tile_code_product(const torch::Tensor& x, const float* rotation_signs) const {
+    const Int4TileSteps layout(padded, group_size, groups);
+    const Int4TileActivations a(x, padded, group_size, layout, rotation_signs);
+    const int64_t rows = x.size(0), row_bytes = padded / 2;
+    auto out = torch::empty({rows, out_features}, x.options());
+    auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
+    const int64_t w_blocks = (out_features + kBlockOutputs - 1) / kBlockOutputs;
+    at::parallel_for(0, w_blocks, 1, [&](int64_t begin, int64_t end) {
+      const Tiles tiles;
+      std::vector<uint8_t> unpacked(kBlockOutputs * a.steps * kCodeStep);
+      std::vector<float> zeros(kBlockOutputs * groups);  // the block's min + 8 scale
+      alignas(64) float sums[kBlockOutputs * kBlockInputs];
+      for (int64_t block = begin; block < end; ++block) {
+        const int64_t n0 = block * kBlockOutputs;
+        const int64_t outputs = std::min(kBlockOutputs, out_features - n0);
+        unpack_int4_steps(codes + n0 * row_bytes, row_bytes, outputs, group_size, groups, padded,
+                          layout, unpacked.data());
+        const float* block_scales = scales + n0 * groups;
+        for (int64_t i = 0; i < outputs * groups; ++i)
+          zeros[i] = mins[n0 * groups + i] + 8.f * block_scales[i];
+        const int64_t ahead_rows =
+            block + 1 < end ? std::min(kBlockOutputs, out_features - n0 - kBlockOutputs) : 0;
+        for (int64_t xb = 0; xb < a.blocks; xb += 2) {
+          const uint8_t* ahead =  // asked for on the first pass over a block
+              xb == 0 && ahead_rows > 0 ? codes + (n0 + kBlockOutputs) * row_bytes : nullptr;
+          const auto run = [&](auto nw, auto nx) {
+            int4_code_block<decltype(nw)::value, decltype(nx)::value>(
+                unpacked.data(), a, xb, layout, block_scales, zeros.data(), sums, ahead,
+                ahead_rows * row_bytes);
+          };
+          using One = std::integral_constant<int, 1>;
+          using Two = std::integral_constant<int, 2>;
+          const bool two_x = xb + 1 < a.blocks;
+          if (outputs == kBlockOutputs) {
+            if (two_x) run(Two{}, Two{});
+            else run(Two{}, One{});
+          } else {
+            if (two_x) run(One{}, Two{});
+            else run(One{}, One{});
+          }
+          store_block(sums, n0, outputs, xb * kTileRows, rows, nullptr, bias.values, ys,
+                      out_features);
+        }
+      }
+    });
+    return out;
+  }
+#endif
 
   auto prefetch() const {
     return [this](int64_t n0) {
@@ -683,8 +922,12 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     TORCH_CHECK(rotation_signs->is_contiguous() && rotation_signs->scalar_type() == torch::kFloat &&
                     rotation_signs->numel() == kHadamardBlock && x.size(1) % kHadamardBlock == 0,
                 "linear_int4: rotation signs float32 [64], K a multiple of 64");
-  const bool tiles = x.size(0) > kInt8ActivationMaxRowsWithAmx &&
-                     use_amx(x.size(0), w.out_features, w.padded);
+  const bool amx = use_amx(x.size(0), w.out_features, w.padded);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+  if (amx && x.size(0) >= kInt4TileMinRows && group_size >= kInt4TileMinGroup)
+    return w.tile_code_product(x, rotation_signs ? rotation_signs->data_ptr<float>() : nullptr);
+#endif
+  const bool tiles = x.size(0) > kInt8ActivationMaxRowsWithAmx && amx;
   if (tiles || x.size(0) > kInt8ActivationMaxRows)
     return w.widened_product(rotation_signs ? hadamard_rotate(x, *rotation_signs) : x, tiles,
                              true);
