@@ -171,7 +171,7 @@ def run_hf_generate_batch(spec: Spec) -> Result:
 
 def run_tokenmill(spec: Spec) -> Result:
     llm = LLM(spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"],
-              num_threads=spec["threads"])
+              num_threads=spec["threads"], quantization=spec["quantization"])
     output_len, prompts = spec["output_len"], spec["prompts"]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([spec["warmup_prompt"]], SamplingParams(temperature=0.0, max_tokens=4,
@@ -188,7 +188,8 @@ def run_tokenmill(spec: Spec) -> Result:
     return _throughput(len(prompts), sum(lengths), wall) | _single_stream(
         [(output_len - 1) / (m.last_token_time - m.first_token_time) for m in singles]) | {
         "kv_capacity_tokens": runner.kv_capacity_tokens, "kv_cache_bytes": runner.kv_cache_bytes,
-        "engine_config": {"max_num_seqs": config.max_num_seqs,
+        "engine_config": {"quantization": config.quantization,
+                          "max_num_seqs": config.max_num_seqs,
                           "max_num_batched_tokens": config.max_num_batched_tokens,
                           "block_size": config.block_size,
                           "enable_prefix_caching": config.enable_prefix_caching},
@@ -300,6 +301,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hf-sequential-prompts", type=int, default=8,
                         help="hf_generate runs only the first K prompts (it is slow)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="tokenmill's max_num_seqs")
+    parser.add_argument("--quantization", default="none",
+                        help="tokenmill's --quantization (the issue's figures are for none)")
     parser.add_argument("--hf-max-batch-tokens", type=int, default=2048,
                         help="generate_batch's max_batch_tokens (per-step token budget)")
     parser.add_argument("--hf-max-requests-per-batch", type=int, default=64)
@@ -334,7 +337,7 @@ def main() -> None:
                 "hf_sequential_prompts": min(args.hf_sequential_prompts, len(prompts)),
                 "max_num_seqs": args.max_num_seqs, "hf_max_batch_tokens": args.hf_max_batch_tokens,
                 "hf_max_requests_per_batch": args.hf_max_requests_per_batch,
-                "threads": args.threads}
+                "threads": args.threads, "quantization": args.quantization}
         rounds = []
         for index in range(args.rounds):
             order = engines[index % len(engines):] + engines[:index % len(engines)]

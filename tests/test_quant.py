@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from tests.prompts import SYSTEM_PROMPT, varied_prompts
 from tokenmill import EngineConfig, SamplingParams
-from tokenmill.kernels import cpu_has_amx
+from tokenmill.kernels import cpu_has_amx, fused_kernels
 from tokenmill.model.layers import FEW_ROWS_MAX, PACKED_MAX_ROWS, Linear
 from tokenmill.model.loader import GGUFBlocks
 from tokenmill.quant.gguf import gguf_linear
@@ -176,6 +176,33 @@ def test_input_rotation_is_orthogonal_and_its_kernel_gives_the_matrix_product(
                                atol=1e-6)
     back = (out.float().reshape(-1, 64) @ rotation.T).view(x.shape)
     torch.testing.assert_close(back, x.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("group_size", "in_features"), [(128, 576), (64, 576), (256, 640),
+                                                         (32, 576)])
+def test_rotated_int4_prefill_undoes_the_rotation_on_w_instead_of_rotating_x(
+        dtype: torch.dtype, group_size: int, in_features: int) -> None:
+    """Past packed_max_rows a rotated layer's de-quantize path gives W R R^T, the float W (a
+    last group of 64 included), so x meets it unrotated; groups of 32 rotate x as before."""
+    weight, bias = random_weight(96, in_features).to(dtype), torch.randn(96).to(dtype)
+    layer = Int4Linear.quantize(weight, group_size, bias,
+                                input_rotation=rotation_signs(in_features))
+    restored = (layer.dequantize().float().reshape(-1, 64)
+                @ rotation_matrix(layer.input_rotation).T).view(96, in_features)
+    unrotated = layer.dequantize_unrotated(dtype, torch.empty(96, in_features, dtype=dtype))
+    if unrotated is None:  # x is rotated instead
+        assert group_size < 64 or fused_kernels(layer.codes) is None
+    else:
+        assert group_size >= 64
+        # the same sums in another order: float32 rounding, then one rounding to dtype
+        torch.testing.assert_close(unrotated.float(), restored.to(dtype).float(),
+                                   rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
+    x = torch.randn(PACKED_MAX_ROWS + 3, in_features, generator=torch.Generator().manual_seed(5))
+    expected = F.linear(x.to(dtype).float(), restored, bias.float())
+    out = layer(x.to(dtype)).float()
+    torch.testing.assert_close(out, expected, rtol=5e-2 if dtype == torch.bfloat16 else 1e-4,
+                               atol=5e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
 def test_input_rotation_lowers_the_int4_error_of_outlier_weights() -> None:

@@ -43,6 +43,19 @@ inline void fwht64(__m512 v[4]) {
 }
 #endif
 
+#if !defined(__AVX512F__)
+// v (64 floats, in place) times H, unnormalized, in the scalar loop's order.
+inline void fwht_scalar(float v[kHadamardBlock]) {
+  for (int64_t half = 1; half < kHadamardBlock; half *= 2)
+    for (int64_t i = 0; i < kHadamardBlock; i += 2 * half)
+      for (int64_t j = i; j < i + half; ++j) {
+        const float a = v[j], c = v[j + half];
+        v[j] = a + c;
+        v[j + half] = a - c;
+      }
+}
+#endif
+
 // v (64 floats, in place) times diag(signs) H / 8.
 inline void rotate_block(float v[kHadamardBlock], const float* signs) {
 #if defined(__AVX512F__)
@@ -54,14 +67,24 @@ inline void rotate_block(float v[kHadamardBlock], const float* signs) {
     _mm512_storeu_ps(v + 16 * i, _mm512_mul_ps(r[i], _mm512_set1_ps(0.125f)));
 #else
   for (int64_t i = 0; i < kHadamardBlock; ++i) v[i] *= signs[i];
-  for (int64_t half = 1; half < kHadamardBlock; half *= 2)
-    for (int64_t i = 0; i < kHadamardBlock; i += 2 * half)
-      for (int64_t j = i; j < i + half; ++j) {
-        const float a = v[j], c = v[j + half];
-        v[j] = a + c;
-        v[j + half] = a - c;
-      }
+  fwht_scalar(v);
   for (int64_t i = 0; i < kHadamardBlock; ++i) v[i] *= 0.125f;
+#endif
+}
+
+// v (64 floats, in place) times H diag(signs) / 8 = R^T, which undoes rotate_block: a row of a
+// rotated layer's W R back to W.
+inline void unrotate_block(float v[kHadamardBlock], const float* signs) {
+#if defined(__AVX512F__)
+  __m512 r[4];
+  for (int i = 0; i < 4; ++i) r[i] = _mm512_loadu_ps(v + 16 * i);
+  fwht64(r);
+  for (int i = 0; i < 4; ++i)
+    _mm512_storeu_ps(v + 16 * i, _mm512_mul_ps(_mm512_mul_ps(r[i], _mm512_loadu_ps(signs + 16 * i)),
+                                               _mm512_set1_ps(0.125f)));
+#else
+  fwht_scalar(v);
+  for (int64_t i = 0; i < kHadamardBlock; ++i) v[i] = v[i] * signs[i] * 0.125f;
 #endif
 }
 

@@ -1062,6 +1062,83 @@ void dequantize_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor mi
   });
 }
 
+// Writes W R R^T = W, the float weight of a rotated int4 layer, into `out` [R, C] (float32,
+// bfloat16 or float16, contiguous; C a multiple of 64, at most P), from codes of W R (the layout
+// above, every group 64 or more wide), scales and mins [R, groups] and the rotation's signs
+// float32 [64] (hadamard.cpp): each 64 values as dequantize_int4 computes them, in float32, then
+// times H diag(signs) / 8 and rounded once. A prefill's products past packed_max_rows then take
+// x as it is: rotating x there had been an eighth of an int4 prefill's time (2,048 rows, perf,
+// AMX VM), about twice this arithmetic, since x had twice W's values and a pass of its own.
+void dequantize_int4_unrotated(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins,
+                               int64_t group_size, torch::Tensor signs, torch::Tensor out) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == torch::kByte,
+              "dequantize_int4_unrotated: codes [R, P / 2] uint8 contiguous");
+  const int64_t rows = codes.size(0), padded = codes.size(1) * 2;
+  const int64_t groups = (padded + group_size - 1) / group_size;
+  TORCH_CHECK(group_size >= 64 && group_width(groups - 1, groups, padded, group_size) >= 64,
+              "dequantize_int4_unrotated: groups 64 or more wide");
+  for (const auto& t : {scales, mins})
+    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == torch::kFloat &&
+                    t.numel() == rows * groups,
+                "dequantize_int4_unrotated: scales and mins [R, groups] float32");
+  TORCH_CHECK(signs.is_contiguous() && signs.scalar_type() == torch::kFloat &&
+                  signs.numel() == kHadamardBlock, "dequantize_int4_unrotated: signs float32 [64]");
+  const int64_t width = out.size(-1), blocks = width / kHadamardBlock;
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == rows && width <= padded &&
+                  width % kHadamardBlock == 0,
+              "dequantize_int4_unrotated: out [R, C] contiguous, C a multiple of 64, at most P");
+  const uint8_t* cs = codes.data_ptr<uint8_t>();
+  const float* ss = scales.data_ptr<float>();
+  const float* ms = mins.data_ptr<float>();
+  const float* sign = signs.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_int4_unrotated", [&] {
+    scalar_t* os = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
+      alignas(64) float v[kHadamardBlock];
+      for (int64_t t = begin; t < end; ++t) {  // t: 64 columns of one row
+        const int64_t r = t / blocks, first = t % blocks * kHadamardBlock;
+        const int64_t g = first / group_size, within = first - g * group_size;
+        const int64_t half = group_width(g, groups, padded, group_size) / 2;
+        const uint8_t* bytes = cs + r * padded / 2 + g * group_size / 2;
+        const float scale = ss[r * groups + g], min = ms[r * groups + g];
+#if defined(__AVX512F__)
+        // the 64 codes, a byte each: low nibbles of 64 bytes, or their high ones; or a group of
+        // 64's 32 bytes' low nibbles, then their high ones
+        const __m512i nibble = _mm512_set1_epi8(0x0F);
+        __m512i raw;
+        if (half >= kHadamardBlock) {
+          const __m512i b = _mm512_loadu_si512(bytes + (within < half ? within : within - half));
+          raw = _mm512_and_si512(within < half ? b : _mm512_srli_epi16(b, 4), nibble);
+        } else {
+          const __m512i b = _mm512_castsi256_si512(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+          raw = _mm512_and_si512(_mm512_inserti64x4(b, _mm512_castsi512_si256(
+                                                           _mm512_srli_epi16(b, 4)), 1),
+                                 nibble);
+        }
+        const auto values = [&](__m128i sixteen) {  // code * scale, then + min, in float32
+          return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sixteen)),
+                                             _mm512_set1_ps(scale)),
+                               _mm512_set1_ps(min));
+        };
+        _mm512_store_ps(v, values(_mm512_castsi512_si128(raw)));
+        _mm512_store_ps(v + 16, values(_mm512_extracti32x4_epi32(raw, 1)));
+        _mm512_store_ps(v + 32, values(_mm512_extracti32x4_epi32(raw, 2)));
+        _mm512_store_ps(v + 48, values(_mm512_extracti32x4_epi32(raw, 3)));
+#else
+        for (int64_t i = 0; i < kHadamardBlock; ++i) {
+          const int64_t j = within + i;  // value j of the group: byte j's low nibble, or j - half's high
+          const uint8_t byte = bytes[j < half ? j : j - half];
+          v[i] = static_cast<float>(j < half ? byte & 0x0F : byte >> 4) * scale + min;
+        }
+#endif
+        unrotate_block(v, sign);
+        store_block(v, os + r * width + first);
+      }
+    });
+  });
+}
+
 // Writes W into `out` [R, K] (float32, bfloat16 or float16, contiguous) from int8 codes [R, K]
 // and float32 scales [R, K / group_size]: code * scale rounded to float32, as
 // Int8Linear.dequantize_padded's PyTorch path does, then once to out's dtype.

@@ -126,6 +126,16 @@ class Int4Linear(QuantizedLinear):
         values.mul_(scales.repeat_interleave(self.group_size, dim=-1)[..., :width])
         return values.add_(mins.repeat_interleave(self.group_size, dim=-1)[..., :width]).to(dtype)
 
+    def dequantize_unrotated(self, dtype: torch.dtype,
+                             out: torch.Tensor) -> torch.Tensor | None:
+        kernels = None if self.codes is None else fused_kernels(self.codes)
+        if self.input_rotation is None or kernels is None \
+                or min(group_widths(self.padded_in_features, self.group_size)) < 64:
+            return super().dequantize_unrotated(dtype, out)
+        kernels.dequantize_int4_unrotated(self.codes, self.scales, self.mins, self.group_size,
+                                          self.input_rotation, out)
+        return out
+
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.exact:
             return cpu_kernels().linear_int4_exact(x, self.codes, self.scales, self.mins,

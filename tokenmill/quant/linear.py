@@ -122,7 +122,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows > self.packed_max_rows:
-            return self._dequantized_matmul(self.rotated(x))
+            return self._dequantized_matmul(x)
         if x.dim() == 2:  # the model's case: no reshapes, a few microseconds a call at decode
             return self.packed_matmul(x)
         out = self.packed_matmul(x.reshape(rows, self.in_features))
@@ -135,15 +135,27 @@ class QuantizedLinear(nn.Module):
     def add_bias(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.bias is None else out + self.bias
 
+    def dequantize_unrotated(self, dtype: torch.dtype,
+                             out: torch.Tensor) -> torch.Tensor | None:
+        """The float W, [out_features, in_features] in `dtype` (written into `out`, of that shape,
+        where the C++ kernels run); None for a rotated layer whose kernels can't undo the
+        rotation: x R then meets W R."""
+        if self.input_rotation is not None:
+            return None
+        return self.dequantize_padded(None, dtype, out)[:, :self.in_features]
+
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
         # One product over the whole W, the float model's on the same values: the BLAS chooses
         # its blocking by shape, and slices of W summed differently from the whole on some CPUs
         # (fp32 at 7 rows, on one with AMX).
         # W without its padding columns, which would only meet x's zeros: at 2,048 rows padding
         # x cost 0.1 ms a product and K 640 instead of 576 an eighth more arithmetic.
-        shape = (self.out_features, self.in_features)
-        weight = self.dequantize_padded(None, x.dtype, _workspace(shape, x.dtype, x.device))
-        return float_product(x, weight[:, :self.in_features], self.bias)
+        workspace = _workspace((self.out_features, self.in_features), x.dtype, x.device)
+        weight = self.dequantize_unrotated(x.dtype, workspace)
+        if weight is None:
+            x = self.rotated(x)
+            weight = self.dequantize_padded(None, x.dtype, workspace)[:, :self.in_features]
+        return float_product(x, weight, self.bias)
 
 
 def _workspace(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
