@@ -283,6 +283,17 @@ torch::Tensor fused_order(const torch::Tensor& x, int64_t padded, int64_t group_
 // the codes halves the weight on x's rounding errors, and the second term takes x's exact sum.
 // Each row of x is quantized on its own, so a row's result doesn't depend on the rows beside it.
 
+// Row m of bfloat16 x into values[0, K) as float32, rotated (hadamard.cpp) where signs are given:
+// what the int8 codes of x are made from.
+inline void float_row(const torch::Tensor& x, int64_t m, const float* rotation_signs,
+                      float* values) {
+  const int64_t in_features = x.size(1);
+  const auto* row = x.data_ptr<c10::BFloat16>() + m * x.stride(0);
+  for (int64_t k = 0; k < in_features; ++k) values[k] = static_cast<float>(row[k]);
+  if (rotation_signs)
+    for (int64_t k = 0; k < in_features; k += kHadamardBlock) rotate_block(values + k, rotation_signs);
+}
+
 // For each of a chunk's 16 VPDPBUSD lanes (4 bytes each), its group counted from the chunk's
 // first: byte / half, for group_size / 2 = half, a power of two.
 inline __m512i int4_lane_groups(int64_t half) {
@@ -338,15 +349,10 @@ struct Int4Activations {
         layout(int4_chunks(padded / 2, group_size / 2, groups)),
         codes(x.size(0) * chunks * 128, 0), offsets(x.size(0) * chunks * 16),
         scales(x.size(0) * chunks * 16), sums(x.size(0) * groups) {
-    const int64_t in_features = x.size(1);
     at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
       std::vector<float> values(padded, 0.f);
       for (int64_t m = begin; m < end; ++m) {
-        const auto* row = x.data_ptr<c10::BFloat16>() + m * x.stride(0);
-        for (int64_t k = 0; k < in_features; ++k) values[k] = static_cast<float>(row[k]);
-        if (rotation_signs)
-          for (int64_t k = 0; k < in_features; k += kHadamardBlock)
-            rotate_block(values.data() + k, rotation_signs);
+        float_row(x, m, rotation_signs, values.data());
         int8_t* row_codes = codes.data() + m * chunks * 128;
         for (int64_t g = 0; g < groups; ++g) {
           const float* group = values.data() + g * group_size;
@@ -534,16 +540,11 @@ struct Int4TileActivations {
         groups(static_cast<int64_t>(layout.first.size()) - 1),
         tiles(blocks * steps * kTileRows * 64, 0),
         lanes(blocks * groups * 3 * kTileRows, 0.f) {
-    const int64_t in_features = x.size(1);
     at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
       std::vector<float> values(padded, 0.f);
       alignas(64) int8_t codes[kCodeStep];
       for (int64_t m = begin; m < end; ++m) {
-        const auto* row = x.data_ptr<c10::BFloat16>() + m * x.stride(0);
-        for (int64_t k = 0; k < in_features; ++k) values[k] = static_cast<float>(row[k]);
-        if (rotation_signs)
-          for (int64_t k = 0; k < in_features; k += kHadamardBlock)
-            rotate_block(values.data() + k, rotation_signs);
+        float_row(x, m, rotation_signs, values.data());
         const int64_t b = m / kTileRows, lane = m % kTileRows;
         for (int64_t g = 0; g < groups; ++g) {
           const float* group = values.data() + g * group_size;
