@@ -500,10 +500,11 @@ inline void int4_rows(const Int4Activations& a, int64_t rows, const uint8_t* cod
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
 // From kInt4TileMinRows rows, int4 groups of 128 or more meet x's int8 codes on AMX-INT8 tiles
 // (TDPBUSD: W's unsigned codes by x's signed ones, 16 x 16 x 64 products), where widening every
-// code to bfloat16 for TDPBF16PS had been a third of the product's time at 32 rows. Unpacking a code is an AND (and a shift for the high nibbles), and a tile step covers 64
-// values of K instead of 32, so the tiles load half the bytes a product. The price: W's scale
-// and min change every group, so each group's int32 sums leave the tiles and are scaled into
-// float32 sums. x is quantized per row and group, s = max |x| / 127; as in the few-row path the
+// code to bfloat16 for TDPBF16PS had been a third of the product's time at 32 rows. Unpacking a
+// code is an AND (and a shift for the high nibbles), and a tile step covers 64 values of K
+// instead of 32, so the tiles load half the bytes a product. The price: W's scale and min
+// change every group, so each group's int32 sums leave the tiles and are scaled into float32
+// sums. x is quantized per row and group, s = max |x| / 127; as in the few-row path the
 // codes are centred, scale * s * (sum(code * xq) - 8 sum(xq)) + (min + 8 scale) * sum(x), with
 // x's exact sum. A row's result doesn't depend on the rows beside it.
 constexpr int64_t kCodeStep = 64;  // values of K a tile step: 16 rows of 4 bytes in x's tiles
@@ -610,6 +611,7 @@ inline void unpack_int4_steps(const uint8_t* codes, int64_t row_bytes, int64_t o
       }
     }
 }
+
 // One block of NW tiles of W's unpacked codes (`unpacked`, [NW * 16, steps, 64]) by NX tiles of
 // x (blocks xb, xb + 1), group by group: each group's int32 sums, scaled, into sums [NW * 16
 // outputs][kBlockInputs rows of x] (float32, zeroed here). With `ahead` (the next block's codes,
@@ -662,8 +664,9 @@ inline void int4_code_block(const uint8_t* unpacked, const Int4TileActivations& 
 #pragma GCC unroll 16
         for (int64_t r = 0; r < kTileRows; ++r) {
           const int64_t n = i * kTileRows + r;
-          if (j == 0 && n < group_lines && g * group_lines + n < lines)
-            __builtin_prefetch(reinterpret_cast<const void*>(first_line + (g * group_lines + n) * 64), 0, 2);
+          const int64_t line = g * group_lines + n;
+          if (j == 0 && n < group_lines && line < lines)
+            __builtin_prefetch(reinterpret_cast<const void*>(first_line + line * 64), 0, 2);
           float* at = sums + n * kBlockInputs + j * kTileRows;
           const __m512 centred = _mm512_fmsub_ps(
               _mm512_cvtepi32_ps(_mm512_load_si512(c[2 * i + j] + r * kTileRows)), x_scale,
@@ -1092,7 +1095,8 @@ void dequantize_int4_unrotated(torch::Tensor codes, torch::Tensor scales, torch:
   const float* ss = scales.data_ptr<float>();
   const float* ms = mins.data_ptr<float>();
   const float* sign = signs.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_int4_unrotated", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(),
+                                  "dequantize_int4_unrotated", [&] {
     scalar_t* os = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
       alignas(64) float v[kHadamardBlock];
