@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -160,12 +161,27 @@ inline void amx_block(WAt w_at, const uint32_t* x_tiles, int64_t x_block_stride,
   }
 }
 
+// fn(NW, NX) as std::integral_constants: a block of two tiles of W's rows or one (a last 16),
+// by two tiles of x's rows or one (a last 16).
+template <typename Fn>
+inline void with_block_shape(bool two_w, bool two_x, Fn fn) {
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  if (two_w) {
+    if (two_x) fn(Two{}, Two{});
+    else fn(Two{}, One{});
+  } else {
+    if (two_x) fn(One{}, Two{});
+    else fn(One{}, One{});
+  }
+}
+
 // Writes a block's sums [outputs][kBlockInputs rows of x, from m_first] to out[m][n0 + ...]
 // (bfloat16, out_features a row): each 16 x 16 turned to [rows of x][outputs], then scaled by
 // row_scales (may be null), shifted by bias (may be null) and rounded, 16 outputs at a time.
-inline void store_block(const float* sums, int64_t n0, int64_t outputs, int64_t m_first,
-                        int64_t rows, const float* row_scales, const c10::BFloat16* bias,
-                        uint16_t* ys, int64_t out_features) {
+inline void finish_block(const float* sums, int64_t n0, int64_t outputs, int64_t m_first,
+                         int64_t rows, const float* row_scales, const c10::BFloat16* bias,
+                         uint16_t* ys, int64_t out_features) {
   for (int64_t nt = 0; nt < outputs; nt += kTileRows) {
     const int64_t n = n0 + nt;
     const __m512 scale = row_scales ? _mm512_loadu_ps(row_scales + n) : _mm512_set1_ps(1.f);
@@ -238,17 +254,10 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
             : nullptr;
         const int64_t step_bytes = stored_row_bytes / steps;
         const auto run = [&](auto w_at) {
-          if (outputs == kBlockOutputs) {
-            if (two_x) amx_block<2, 2>(w_at, xs, x_block_stride, steps, sums, ahead,
-                                       stored_row_bytes, step_bytes);
-            else amx_block<2, 1>(w_at, xs, x_block_stride, steps, sums, ahead,
-                                 stored_row_bytes, step_bytes);
-          } else {
-            if (two_x) amx_block<1, 2>(w_at, xs, x_block_stride, steps, sums, ahead,
-                                       stored_row_bytes, step_bytes);
-            else amx_block<1, 1>(w_at, xs, x_block_stride, steps, sums, ahead,
-                                 stored_row_bytes, step_bytes);
-          }
+          with_block_shape(outputs == kBlockOutputs, two_x, [&](auto nw, auto nx) {
+            amx_block<decltype(nw)::value, decltype(nx)::value>(
+                w_at, xs, x_block_stride, steps, sums, ahead, stored_row_bytes, step_bytes);
+          });
         };
         if (sliced)
           run([&, n0 = n0, outputs = outputs](int64_t s) {
@@ -263,7 +272,7 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
           run([&, whole = whole, whole_stride = whole_stride](int64_t s) {
             return std::pair<const uint16_t*, int64_t>{whole + s * kTileDepth, whole_stride};
           });
-        store_block(sums, n0, outputs, xb * kTileRows, rows, row_scales, bias, ys, out_features);
+        finish_block(sums, n0, outputs, xb * kTileRows, rows, row_scales, bias, ys, out_features);
       }
     }
   });

@@ -25,6 +25,26 @@ inline int64_t group_width(int64_t g, int64_t groups, int64_t padded, int64_t gr
   return g + 1 < groups ? group_size : padded - (groups - 1) * group_size;
 }
 
+#if defined(__AVX512BW__)
+// Values first..first + 63 of an int4 group `half` bytes of codes wide (the layout above), one
+// byte each: the low nibbles of 64 bytes, or their high ones; a group of 64 or 32 (first 0) as
+// its low nibbles, then its high ones, then zeros.
+inline __m512i int4_codes_64(const uint8_t* bytes, int64_t half, int64_t first) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  if (half >= 64) {
+    const __m512i raw = _mm512_loadu_si512(bytes + (first < half ? first : first - half));
+    return _mm512_and_si512(first < half ? raw : _mm512_srli_epi16(raw, 4), nibble);
+  }
+  const __m512i raw =
+      half == 32 ? _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)))
+                 : _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  const __m512i high = _mm512_srli_epi16(raw, 4);
+  return _mm512_and_si512(half == 32 ? _mm512_inserti64x4(raw, _mm512_castsi512_si256(high), 1)
+                                     : _mm512_inserti32x4(raw, _mm512_castsi512_si128(high), 1),
+                          nibble);
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // 32 int8 codes as bfloat16 (exact: |code| <= 127 needs 7 bits).
 inline __m512bh widen_int8(const int8_t* codes) {
@@ -594,20 +614,14 @@ inline void unpack_int4_steps(const uint8_t* codes, int64_t row_bytes, int64_t o
       const uint8_t* bytes = codes + r * row_bytes + g * group_size / 2;
       uint8_t* step = out + (r * steps + layout.first[g]) * kCodeStep;
       const int64_t half = group_width(g, groups, padded, group_size) / 2;
-      if (half >= kCodeStep) {
-        for (int64_t i = 0; i < half; i += kCodeStep) {
-          const __m512i raw = _mm512_loadu_si512(bytes + i);
-          _mm512_storeu_si512(step + i, _mm512_and_si512(raw, nibble));
-          _mm512_storeu_si512(step + half + i,
-                              _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble));
-        }
-      } else {  // 32 or 16 bytes: low nibbles, high nibbles, zeros
-        const __m512i raw = _mm512_maskz_loadu_epi8(
-            static_cast<__mmask64>((__mmask64{1} << half) - 1), bytes);
-        const __m512i low = _mm512_and_si512(raw, nibble);
-        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-        _mm512_storeu_si512(step, _mm512_mask_expand_epi8(
-            low, static_cast<__mmask64>(((__mmask64{1} << half) - 1) << half), high));
+      if (half < kCodeStep) {
+        _mm512_storeu_si512(step, int4_codes_64(bytes, half, 0));
+        continue;
+      }
+      for (int64_t i = 0; i < half; i += kCodeStep) {  // each 64 bytes read once for both halves
+        const __m512i raw = _mm512_loadu_si512(bytes + i);
+        _mm512_storeu_si512(step + i, _mm512_and_si512(raw, nibble));
+        _mm512_storeu_si512(step + half + i, _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble));
       }
     }
 }
@@ -778,23 +792,13 @@ struct Int4Weights {
         for (int64_t xb = 0; xb < a.blocks; xb += 2) {
           const uint8_t* ahead =  // asked for on the first pass over a block
               xb == 0 && ahead_rows > 0 ? codes + (n0 + kBlockOutputs) * row_bytes : nullptr;
-          const auto run = [&](auto nw, auto nx) {
+          with_block_shape(outputs == kBlockOutputs, xb + 1 < a.blocks, [&](auto nw, auto nx) {
             int4_code_block<decltype(nw)::value, decltype(nx)::value>(
                 unpacked.data(), a, xb, layout, block_scales, zeros.data(), sums, ahead,
                 ahead_rows * row_bytes);
-          };
-          using One = std::integral_constant<int, 1>;
-          using Two = std::integral_constant<int, 2>;
-          const bool two_x = xb + 1 < a.blocks;
-          if (outputs == kBlockOutputs) {
-            if (two_x) run(Two{}, Two{});
-            else run(Two{}, One{});
-          } else {
-            if (two_x) run(One{}, Two{});
-            else run(One{}, One{});
-          }
-          store_block(sums, n0, outputs, xb * kTileRows, rows, nullptr, bias.values, ys,
-                      out_features);
+          });
+          finish_block(sums, n0, outputs, xb * kTileRows, rows, nullptr, bias.values, ys,
+                       out_features);
         }
       }
     });
@@ -1106,21 +1110,8 @@ void dequantize_int4_unrotated(torch::Tensor codes, torch::Tensor scales, torch:
         const int64_t half = group_width(g, groups, padded, group_size) / 2;
         const uint8_t* bytes = cs + r * padded / 2 + g * group_size / 2;
         const float scale = ss[r * groups + g], min = ms[r * groups + g];
-#if defined(__AVX512F__)
-        // the 64 codes, a byte each: low nibbles of 64 bytes, or their high ones; or a group of
-        // 64's 32 bytes' low nibbles, then their high ones
-        const __m512i nibble = _mm512_set1_epi8(0x0F);
-        __m512i raw;
-        if (half >= kHadamardBlock) {
-          const __m512i b = _mm512_loadu_si512(bytes + (within < half ? within : within - half));
-          raw = _mm512_and_si512(within < half ? b : _mm512_srli_epi16(b, 4), nibble);
-        } else {
-          const __m512i b = _mm512_castsi256_si512(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
-          raw = _mm512_and_si512(_mm512_inserti64x4(b, _mm512_castsi512_si256(
-                                                           _mm512_srli_epi16(b, 4)), 1),
-                                 nibble);
-        }
+#if defined(__AVX512BW__)
+        const __m512i raw = int4_codes_64(bytes, half, within);
         const auto values = [&](__m128i sixteen) {  // code * scale, then + min, in float32
           return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sixteen)),
                                              _mm512_set1_ps(scale)),
