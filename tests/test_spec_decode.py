@@ -19,11 +19,11 @@ from tokenmill.cli import build_parser, engine_config_from_args
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledChunk
 from tokenmill.model.loader import DEFAULT_MODEL
-from tokenmill.model.sampler import Sampler
+from tokenmill.model.sampler import Sampler, draw
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.spec.draft import check_same_vocabulary
 from tokenmill.spec.ngram import NgramProposer
-from tokenmill.spec.rejection import RejectionSampler, draw
+from tokenmill.spec.rejection import RejectionSampler
 from tokenmill.spec.throttle import PROBE_INTERVAL, SpeculationThrottle
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -199,12 +199,16 @@ VOCAB = 8
 TV_BOUND = 0.03
 
 
+def draw_one(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(draw(probs.unsqueeze(0), [generator]))
+
+
 class AcceptAlways(RejectionSampler):
     """Deliberately broken: keeps every proposal."""
 
     @staticmethod
     def accept_sampled(proposals, probs, generator):
-        return [*proposals, draw(probs[len(proposals)], generator)]
+        return [*proposals, draw_one(probs[len(proposals)], generator)]
 
 
 class ResampleFromTarget(RejectionSampler):
@@ -217,8 +221,8 @@ class ResampleFromTarget(RejectionSampler):
             if torch.rand(1, generator=generator).item() < probs[position, proposal]:
                 emitted.append(proposal)
                 continue
-            return emitted + [draw(probs[position], generator)]
-        return emitted + [draw(probs[len(proposals)], generator)]
+            return emitted + [draw_one(probs[position], generator)]
+        return emitted + [draw_one(probs[len(proposals)], generator)]
 
 
 def emitted_distributions(sampler_class, num_samples: int = 20000):

@@ -6,10 +6,10 @@ Chen et al. 2023) then accepts x with probability min(1, p(x) / q(x)) = p(x), wh
 target's distribution after temperature, top-k, top-p and min-p, and on a rejection draws from
 the normalised residual max(p - q, 0), which is p conditioned on "not x"; after K acceptances a
 bonus token comes from the last row. We realise exactly that by drawing the target's token at
-each position the way the plain sampler does (exponential race, one noise vector per position
+each position the way the plain sampler does (sampler.draw: one uniform number per position
 from the request's generator) and accepting x when the draw equals it: P(accept) = p(x), and a
-rejection's draw is distributed as p given "not x". Since the noise is consumed one vector per
-emitted token, a seeded request emits the very tokens it would without speculation. Greedy
+rejection's draw is distributed as p given "not x". Since one number is consumed per emitted
+token, a seeded request emits the very tokens it would without speculation. Greedy
 requests accept the longest prefix equal to the target's argmax, then take the argmax after it.
 """
 
@@ -21,7 +21,7 @@ from itertools import accumulate
 import torch
 
 from tokenmill.engine.scheduler import ScheduledChunk
-from tokenmill.model.sampler import Sampler, logprob_entries
+from tokenmill.model.sampler import Sampler, draw, logprob_entries
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -67,7 +67,7 @@ class RejectionSampler:
         position's target token is drawn, and the proposal survives when the draw equals it."""
         emitted: list[int] = []
         for position, proposal in enumerate([*proposals, None]):  # None: the bonus position
-            emitted.append(draw(probs[position], generator))
+            emitted.append(int(draw(probs[position:position + 1], [generator])))
             if emitted[-1] != proposal:
                 break
         return emitted
@@ -79,12 +79,6 @@ def accept_greedy(proposals: list[int], target_ids: list[int]) -> list[int]:
     while accepted < len(proposals) and proposals[accepted] == target_ids[accepted]:
         accepted += 1
     return target_ids[:accepted + 1]
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from unnormalised `probs` by the exponential race, as the Sampler draws."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
 
 
 def _logprobs(logits: torch.Tensor, emitted: list[int],
