@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.model.sampler import Sampler, draw, invert_cdf
+from tokenmill.model.sampler import Sampler, draw, invert_cdf, kept_from
 from tokenmill.sampling_params import SamplingParams
 
 VOCAB = 12
@@ -66,3 +66,33 @@ def test_a_draw_depends_only_on_its_own_generator():
 def test_a_uniform_at_either_end_lands_on_a_token_with_a_share():
     probs = torch.tensor([[0.0, 0.2, 0.8, 0.0, 0.0]] * 2)
     assert invert_cdf(probs, torch.tensor([0.0, 1.0], dtype=torch.float64)).tolist() == [1, 2]
+
+
+def sorted_reference(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Which tokens top-k then top-p keep, by sorting the whole row."""
+    values, order = logits.sort(descending=True)
+    ranks = torch.arange(len(values))
+    keep = ranks < (top_k if top_k > 0 else len(values))
+    shares = values.masked_fill(~keep, float("-inf")).softmax(-1)
+    keep &= (shares.cumsum(-1) - shares) < top_p
+    return torch.zeros_like(keep).scatter_(0, order, keep)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (0, 0.999), (50, 1.0), (600, 0.99),
+                                         (3000, 0.95), (1, 0.5)])
+def test_top_k_and_top_p_keep_what_sorting_the_vocabulary_keeps(top_k, top_p):
+    # Flat rows (the cut lies past the first TOP_P_WIDTH candidates) and peaked ones.
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 5000, generator=generator) * torch.tensor([[0.5], [1.0], [4.0], [9.0]])
+    kept = kept_from(logits, [top_k] * 4, [top_p] * 4)
+    for row in range(4):
+        assert torch.equal(logits[row] >= kept[row], sorted_reference(logits[row], top_k, top_p))
+
+
+def test_rows_with_different_cuts_are_cut_each_by_its_own():
+    settings = [(0, 0.9), (50, 1.0), (0, 1.0), (600, 0.99), (3000, 0.95), (1, 0.5)]
+    generator = torch.Generator().manual_seed(6)
+    logits = torch.randn(len(settings), 5000, generator=generator) * 0.7
+    kept = kept_from(logits, [k for k, _ in settings], [p for _, p in settings])
+    for row, (top_k, top_p) in enumerate(settings):
+        assert torch.equal(logits[row] >= kept[row], sorted_reference(logits[row], top_k, top_p))

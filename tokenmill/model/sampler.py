@@ -52,19 +52,12 @@ class Sampler:
         logits = logits.div_(temperature)
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            vocab = logits.shape[-1]
-            ks = torch.tensor([k if k > 0 else vocab for k in top_k]).unsqueeze(1)
-            ranks = torch.arange(vocab).unsqueeze(0)
-            sorted_logits = sorted_logits.masked_fill(ranks >= ks, float("-inf"))
-            sorted_probs = sorted_logits.softmax(dim=-1)
-            # Drop a token when the tokens ranked above it already cover top_p; the top one stays.
-            covered = sorted_probs.cumsum(dim=-1) - sorted_probs
-            ps = torch.tensor(top_p).unsqueeze(1)
-            sorted_logits = sorted_logits.masked_fill(covered >= ps, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
+        cut = logits < kept_from(logits, top_k, top_p) \
+            if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p) else None
+        # The cut tokens' shares are zeroed after exp: exp(-inf) ran 5x slower than exp of a number.
         probs = logits.sub_(logits.max(dim=-1, keepdim=True).values).exp_()
+        if cut is not None:
+            probs.masked_fill_(cut, 0.0)
         probs = probs.div_(probs.sum(dim=-1, keepdim=True))
         min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
         if (min_p > 0).any():
@@ -84,6 +77,45 @@ class Sampler:
         for r, i in enumerate(wanted):
             result[i] = logprob_entries(logprobs[r:r + 1], [chosen[i]], params[i].logprobs)[0]
         return result
+
+
+# Candidates a row's top-p cut is first looked for among: its likeliest TOP_P_WIDTH tokens, then
+# four times as many while the cut lies past them.
+TOP_P_WIDTH = 256
+
+
+def kept_from(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Per row, the least logit that top-k and then top-p keep, [rows, 1] (-inf: all kept). A
+    token goes when top_k tokens rank above it, or when those ranked above it (within the top k)
+    already cover top_p. Found among each row's likeliest tokens (torch.topk), not by sorting the
+    vocabulary: sorting 64 rows of 49,152 took 125 ms a step."""
+    rows, vocab = logits.shape
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
+    ps = torch.tensor(top_p, dtype=logits.dtype)
+    kept = torch.full((rows, 1), float("-inf"), dtype=logits.dtype)
+    pending = ((ks < vocab) | (ps < 1.0)).nonzero().flatten()
+    guess = TOP_P_WIDTH
+    while len(pending):
+        k, p = ks[pending].unsqueeze(1), ps[pending].unsqueeze(1)
+        width = int(torch.where(k < vocab, k, guess).max().clamp(max=vocab))
+        chosen = logits if len(pending) == rows else logits[pending]
+        values = chosen.topk(width, dim=-1).values  # each row's likeliest, in order
+        in_top_k = torch.arange(width).unsqueeze(0) < k
+        # top-p's shares are of the top-k tokens alone, so top-k's normaliser, else the row's.
+        normaliser = values.masked_fill(~in_top_k, float("-inf")).logsumexp(-1, True)
+        whole_rows = (k >= vocab) & (p < 1.0)
+        if whole_rows.any():
+            normaliser = torch.where(whole_rows, chosen.logsumexp(-1, True), normaliser)
+        shares = (values - normaliser).exp().masked_fill_(~in_top_k, 0.0)
+        covered = shares.cumsum(dim=-1) - shares
+        keep = in_top_k & ((covered < p) | (p >= 1.0))
+        count = keep.sum(dim=-1, keepdim=True)
+        # Settled when the cut falls inside the candidates, or they hold all of the top k.
+        settled = ((count < width) | (k <= width)).flatten()
+        kept[pending[settled]] = values.gather(1, count - 1)[settled]
+        pending = pending[~settled]
+        guess *= 4
+    return kept
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
