@@ -96,3 +96,18 @@ def test_rows_with_different_cuts_are_cut_each_by_its_own():
     kept = kept_from(logits, [k for k, _ in settings], [p for _, p in settings])
     for row, (top_k, top_p) in enumerate(settings):
         assert torch.equal(logits[row] >= kept[row], sorted_reference(logits[row], top_k, top_p))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 0, 1.0, 0.0), (0.7, 40, 1.0, 0.0), (1.2, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.05),
+    (0.9, 300, 0.95, 0.02)])
+def test_shaped_probs_equal_the_plain_definitions(temperature, top_k, top_p, min_p):
+    logits = torch.randn(3, 2000, generator=torch.Generator().manual_seed(8)) * 3
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    got = Sampler.shaped_probs(logits.clone(), [params] * 3)
+    for row in range(3):
+        scaled = logits[row] / temperature
+        probs = scaled.masked_fill(~sorted_reference(scaled, top_k, top_p),
+                                   float("-inf")).softmax(-1)
+        probs = probs * (probs >= min_p * probs.max())
+        torch.testing.assert_close(got[row], probs / probs.sum(), rtol=1e-5, atol=1e-7)

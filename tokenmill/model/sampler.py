@@ -52,18 +52,20 @@ class Sampler:
         logits = logits.div_(temperature)
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
-        cut = logits < kept_from(logits, top_k, top_p) \
-            if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p) else None
+        min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
+        row_max = logits.max(dim=-1, keepdim=True).values
+        least = None  # the least logit kept, a row
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            least = kept_from(logits, top_k, top_p)
+        if (min_p > 0).any():  # p >= min_p * p_max, as logits: at least log(min_p) below the top
+            by_min_p = row_max + min_p.log()
+            least = by_min_p if least is None else torch.maximum(least, by_min_p)
+        cut = None if least is None else logits < least
         # The cut tokens' shares are zeroed after exp: exp(-inf) ran 5x slower than exp of a number.
-        probs = logits.sub_(logits.max(dim=-1, keepdim=True).values).exp_()
+        probs = logits.sub_(row_max).exp_()
         if cut is not None:
             probs.masked_fill_(cut, 0.0)
         probs = probs.div_(probs.sum(dim=-1, keepdim=True))
-        min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
-        if (min_p > 0).any():
-            keep = probs >= min_p * probs.max(dim=-1, keepdim=True).values
-            probs = probs * keep
-            probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
 
     @staticmethod
@@ -73,7 +75,9 @@ class Sampler:
         result: list[dict[int, float] | None] = [None] * len(params)
         if not wanted:
             return result
-        logprobs = logits[torch.tensor(wanted)].float().log_softmax(dim=-1)
+        rows = logits if len(wanted) == len(params) else logits[torch.tensor(wanted)]
+        logprobs = rows.to(torch.float32, copy=True)  # log_softmax in place: one 12 MB tensor
+        logprobs.sub_(logprobs.logsumexp(dim=-1, keepdim=True))
         for r, i in enumerate(wanted):
             result[i] = logprob_entries(logprobs[r:r + 1], [chosen[i]], params[i].logprobs)[0]
         return result
