@@ -10,13 +10,15 @@ rows), int4 layers are group 128 with rotated inputs, as `gptq-hadamard` makes t
 without), and gguf layers Q4_1's groups of 32 through linear_int4_exact. The `attention` format
 instead runs bf16 decode attention over 30 layers' own KV caches (SmolLM2's heads, blocks of 16),
 `--rows` sequences of 84 to 364 cached tokens (the prompts of bench_engine.py plus half their
-output), so the cache comes from memory as in a decode step; `prefill` runs the bf16 prefill
-attention of a 2,048-token step, sequences of `--rows` tokens each attended from position 0. The
-builds take turns going first; the figure is the median pass, in ms. The other commit's kernels
-are built from its `tokenmill/kernels` sources, with this checkout's flags.
+output; `--context N`: N each), so the cache comes from memory as in a decode step; `prefill`
+runs the bf16 prefill attention of a 2,048-token step, sequences of `--rows` tokens each
+attended from position 0. The builds take turns going first; the figure is the median pass, in
+ms. The other commit's kernels are built from its `tokenmill/kernels` sources, with this
+checkout's flags.
 
     python benchmarks/bench_kernels_ab.py --against 12e58c7 --rows 1,32
     python benchmarks/bench_kernels_ab.py --against 10226fd --formats attention --rows 32,64
+    python benchmarks/bench_kernels_ab.py --against HEAD --formats attention --rows 1 --context 4000
 """
 
 from __future__ import annotations
@@ -95,9 +97,11 @@ def width(layer: QuantizedLinear | torch.Tensor) -> int:
     return layer.shape[1] if isinstance(layer, torch.Tensor) else layer.in_features
 
 
-def attention_pass(batch: int) -> Callable[[ModuleType], None]:
-    """One decode step's attention: 30 layers, each over its own bf16 KV cache."""
-    lengths = torch.randint(84, 365, (batch,))
+def attention_pass(batch: int, context: int | None = None) -> Callable[[ModuleType], None]:
+    """One decode step's attention: 30 layers, each over its own bf16 KV cache; `context`
+    cached tokens a sequence, else 84 to 364."""
+    lengths = torch.randint(84, 365, (batch,)) if context is None \
+        else torch.full((batch,), context)
     blocks = (lengths + BLOCK - 1) // BLOCK
     tables = torch.zeros(batch, int(blocks.max()), dtype=torch.long)
     for b, start in enumerate((blocks.cumsum(0) - blocks).tolist()):
@@ -150,6 +154,8 @@ def main() -> None:
     parser.add_argument("--formats", default="int4,int8")
     parser.add_argument("--rows", default="1,32", help="rows of x (sequences decoding)")
     parser.add_argument("--passes", type=int, default=15)
+    parser.add_argument("--context", type=int, default=None,
+                        help="attention: cached tokens a sequence (default 84 to 364)")
     parser.add_argument("--output-json", type=Path,
                         default=REPO_ROOT / "benchmarks/results/kernels_ab.json")
     args = parser.parse_args()
@@ -160,7 +166,7 @@ def main() -> None:
     results = []
     for quantization in args.formats.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
-            run = attention_pass(rows) if quantization == "attention" \
+            run = attention_pass(rows, args.context) if quantization == "attention" \
                 else prefill_pass(rows) if quantization == "prefill" \
                 else products_pass(quantization, rows)
             passes: dict[str, list[float]] = {name: [] for name in builds}
@@ -177,7 +183,7 @@ def main() -> None:
                 f"{name} {ms:.2f} ms" for name, ms in medians.items()) +
                 f"  ({medians['this checkout'] / medians[args.against]:.2f}x the time)")
             del run
-    save_report(args.output_json, "bench_kernels_ab", against=args.against,
+    save_report(args.output_json, "bench_kernels_ab", against=args.against, context=args.context,
                 torch_threads=torch.get_num_threads(), passes=args.passes, results=results)
 
 

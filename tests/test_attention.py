@@ -215,16 +215,17 @@ def test_int8_prefill_attends_to_what_the_cache_holds(use_kernel):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_kernel_on_model_shapes(dtype):
     """SmolLM2's shapes (9 query heads on 3 KV heads, head_dim 64, blocks of 16), where the kernel
-    takes its 16-rows-at-a-time path, with sequences ending anywhere in a block: the kernel
-    equals the SDPA fallback."""
+    takes its 16-rows-at-a-time path, with sequences ending anywhere in a block, and sequences
+    past 512 tokens, which attend in parts that are merged: the kernel equals the SDPA
+    fallback."""
     if cpu_kernels() is None:
         pytest.skip("no C++ compiler here")
     torch.manual_seed(6)
     heads, kv_heads, dim, block = 9, 3, 64, 16
-    lens = [1, 15, 16, 17, 40, 100]
-    k_cache = torch.randn(32, block, kv_heads, dim).to(dtype)
+    lens = [1, 15, 16, 17, 40, 100, 512, 513, 1300]
+    k_cache = torch.randn(192, block, kv_heads, dim).to(dtype)
     v_cache = torch.randn_like(k_cache)
-    blocks = torch.randperm(32).tolist()
+    blocks = torch.randperm(192).tolist()
     tables = [[blocks.pop() for _ in range(-(-n // block))] for n in lens]
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
@@ -234,6 +235,26 @@ def test_decode_kernel_on_model_shapes(dtype):
                                            v_cache, block_tables, seq_lens, block)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(kernel.float(), fallback.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_sequence_attends_the_same_alone_or_in_a_batch(dtype):
+    """A sequence split into parts (past 512 tokens) is split by its length alone: beside other
+    sequences it gives the very numbers it gives alone."""
+    if cpu_kernels() is None:
+        pytest.skip("no C++ compiler here")
+    torch.manual_seed(7)
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    k_cache = torch.randn(192, block, kv_heads, dim).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(192)[:180].view(2, 90)
+    seq_lens = torch.tensor([1300, 30])
+    q = torch.randn(2, heads, dim).to(dtype)
+    both, alone = torch.empty_like(q), torch.empty_like(q[:1])
+    cpu_kernels().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, both)
+    cpu_kernels().paged_decode_attention(q[:1], k_cache, v_cache, block_tables[:1], seq_lens[:1],
+                                         0.125, alone)
+    assert torch.equal(both[:1], alone)
 
 
 def dense_attention_gqa(q, k, v, causal_offset):

@@ -58,14 +58,23 @@ def test_batch_invariance(llm_kv_int8) -> None:
 
 
 def test_prefix_cache_hit_keeps_output(make_llm, llm_kv_int8) -> None:
+    """The hit's remaining prompt tokens are a prefill of a few rows, where the miss computed
+    them among all the prompt's rows: fp32 products can differ in the last bit by row count, and
+    int8 rounding can turn that into a code one step away (as with preemption, below). So the
+    hit may part from the miss, but only at a near-tie. The two runs' logprobs differ by about
+    1e-3 here; with decode attention split at 256 tokens instead of 512 (a numerics change in
+    the last bits), this prompt parted at its 16th token, where the two candidates were 0.0007
+    apart."""
     conversation = [{"role": "system", "content": SYSTEM_PROMPT},
                     {"role": "user", "content": "What are the support hours?"}]
-    reference = token_ids(make_llm(kv_cache_dtype="int8", enable_prefix_caching=False).chat(
-        [conversation], GREEDY, use_tqdm=False))
-    [first] = llm_kv_int8.chat([conversation], GREEDY, use_tqdm=False)
-    [second] = llm_kv_int8.chat([conversation], GREEDY, use_tqdm=False)
-    assert second.num_cached_tokens >= 192
-    assert token_ids([first]) == token_ids([second]) == reference
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    reference = make_llm(kv_cache_dtype="int8", enable_prefix_caching=False).chat(
+        [conversation], params, use_tqdm=False)
+    first = llm_kv_int8.chat([conversation], params, use_tqdm=False)
+    second = llm_kv_int8.chat([conversation], params, use_tqdm=False)
+    assert second[0].num_cached_tokens >= 192
+    assert token_ids(first) == token_ids(reference)
+    assert_parts_only_at_near_ties(second, reference, margin=INT8_KV_NEAR_TIE)
 
 
 def test_preemption_keeps_output(make_llm, llm_kv_int8) -> None:

@@ -9,9 +9,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -96,13 +98,15 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
-inline void softmax_(float* s, int64_t n) {
+// s[i] = exp(s[i] - max s), in place; returns {max s, the sum}.
+inline std::pair<float, float> exp_from_peak(float* s, int64_t n) {
   __m512 peak = _mm512_set1_ps(-INFINITY);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) peak = _mm512_max_ps(peak, _mm512_loadu_ps(s + i));
   const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
   if (i < n) peak = _mm512_mask_max_ps(peak, tail, peak, _mm512_maskz_loadu_ps(tail, s + i));
-  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+  const float max = _mm512_reduce_max_ps(peak);
+  const __m512 top = _mm512_set1_ps(max);
   __m512 total = _mm512_setzero_ps();
   for (i = 0; i + 16 <= n; i += 16) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), top));
@@ -114,8 +118,14 @@ inline void softmax_(float* s, int64_t n) {
     _mm512_mask_storeu_ps(s + i, tail, e);
     total = _mm512_mask_add_ps(total, tail, total, e);
   }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-  for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+  return {max, _mm512_reduce_add_ps(total)};
+}
+
+inline void softmax_(float* s, int64_t n) {
+  const __m512 inv = _mm512_set1_ps(1.f / exp_from_peak(s, n).second);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
   if (i < n) _mm512_mask_storeu_ps(s + i, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + i), inv));
 }
 #else
@@ -131,11 +141,15 @@ inline void add_scaled(float w, const float* x, float* acc, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += w * x[i];
 }
 
-inline void softmax_(float* s, int64_t n) {
+inline std::pair<float, float> exp_from_peak(float* s, int64_t n) {
   const float peak = *std::max_element(s, s + n);
   float total = 0.f;
   for (int64_t i = 0; i < n; ++i) total += (s[i] = std::exp(s[i] - peak));
-  const float inv = 1.f / total;
+  return {peak, total};
+}
+
+inline void softmax_(float* s, int64_t n) {
+  const float inv = 1.f / exp_from_peak(s, n).second;
   for (int64_t i = 0; i < n; ++i) s[i] *= inv;
 }
 #endif
@@ -354,8 +368,24 @@ inline void for_each_run(const T* cache, const int64_t* table, int64_t len, int6
 // grow with their index, keep their order: the pool's blocks lie in it (1.01-1.06x otherwise).
 inline int64_t balanced_order(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
 
-// One task a sequence, all its heads together: a task reading one head's rows strided through the
-// pool was bound by memory latency (3 GB/s); whole tokens are contiguous.
+// Sequences longer than this attend in parts of it (flash decoding's split of the keys), each
+// part a task: one long sequence decoding had all its attention on one thread (6,000 cached
+// tokens: 11 of a 23 ms step). A part keeps exp(score - its max) unnormalised, its max and sum
+// and its weighted sum of V; the task that finishes a sequence's last part rescales them all to
+// the sequence's max, in part order, and divides once. Shorter sequences keep the one-pass
+// softmax. Whether a sequence is split, and where, depends on its length alone, never on the
+// batch beside it. Parts of 256 had cost batches of a few 84-364-token sequences 1.15x the
+// time (a second pass to merge, and more tasks); 512 leaves such sequences whole.
+constexpr int64_t kPartTokens = 512;
+
+struct Part {
+  int64_t sequence, first, end;  // tokens [first, end) of the sequence
+  int64_t slot;                  // its row in the parts' buffers; -1: the whole sequence
+  int64_t split;                 // its sequence's index among the split ones
+};
+
+// One task a part of a sequence, all its heads together: a task reading one head's rows strided
+// through the pool was bound by memory latency (3 GB/s); whole tokens are contiguous.
 template <typename Q, typename T>
 void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cache,
             const int64_t* block_tables, const int64_t* seq_lens, Q* out, int64_t batch,
@@ -363,6 +393,7 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
             int64_t block_size, int64_t table_stride, float scale) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * row_width;
+  const int64_t block_stride = block_size * token_stride;
 #if defined(__AVX512F__)
   const bool vector_rows = kVectorRows<T> && head_dim % 64 == 0;
   const int64_t run = vector_rows ? kRun : block_size;
@@ -371,13 +402,60 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
 #endif
   // One table for every query: the tokens of a prefill chunk (paged_prefill_attention).
   const auto order = [&](int64_t i) { return table_stride == 0 ? balanced_order(i, batch) : i; };
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, row(head_dim), acc(num_heads * head_dim);
+  const int64_t part_tokens = (kPartTokens + block_size - 1) / block_size * block_size;
+  std::vector<Part> parts;
+  std::vector<int64_t> split;  // the split sequences' first parts, in parts
+  int64_t slots = 0;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t b = order(i), len = seq_lens[b];
+    if (len <= part_tokens) {
+      parts.push_back({b, 0, len, -1, -1});
+      continue;
+    }
+    const int64_t index = static_cast<int64_t>(split.size());
+    split.push_back(static_cast<int64_t>(parts.size()));
+    for (int64_t first = 0; first < len; first += part_tokens)
+      parts.push_back({b, first, std::min(len, first + part_tokens), slots++, index});
+  }
+  // A part's weighted sum of V [heads][head_dim], then its max and sum a head.
+  const int64_t slot_floats = num_heads * (head_dim + 2);
+  std::vector<float> partial(slots * slot_floats);
+  std::vector<std::atomic<int64_t>> unfinished(split.size());
+  for (size_t s = 0; s < split.size(); ++s)
+    unfinished[s] = (seq_lens[parts[split[s]].sequence] + part_tokens - 1) / part_tokens;
+  // Each split sequence: its parts' sums, each rescaled from its own max to the largest.
+  const auto merge = [&](int64_t first, std::vector<float>& acc, std::vector<float>& weights) {
+    const int64_t b = parts[first].sequence;
+    const int64_t count = (seq_lens[b] + part_tokens - 1) / part_tokens;
+    weights.resize(count);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t g = 0; g < num_heads; ++g) {
+      const auto stat = [&](int64_t p, int64_t which) {
+        return partial[parts[first + p].slot * slot_floats + num_heads * head_dim + 2 * g + which];
+      };
+      float peak = -INFINITY, total = 0.f;
+      for (int64_t p = 0; p < count; ++p) peak = std::max(peak, stat(p, 0));
+      for (int64_t p = 0; p < count; ++p)
+        total += (weights[p] = std::exp(stat(p, 0) - peak)) * stat(p, 1);
+      for (int64_t p = 0; p < count; ++p) {
+        const float w = weights[p] / total;
+        const float* part_acc = partial.data() + parts[first + p].slot * slot_floats + g * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += w * part_acc[d];
+      }
+    }
+    Q* dst = out + b * num_heads * head_dim;
+    for (int64_t i = 0; i < num_heads * head_dim; ++i) dst[i] = static_cast<Q>(acc[i]);
+  };
+  const auto first_key = [&](const Part& part) {
+    return block_tables[part.sequence * table_stride + part.first / block_size] * block_stride;
+  };
+  at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, row(head_dim), acc(num_heads * head_dim), weights;
     std::vector<float> queries(num_heads * head_dim);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = order(i);
-      const int64_t len = seq_lens[b];
-      const int64_t* table = block_tables + b * table_stride;
+      const Part& part = parts[i];
+      const int64_t b = part.sequence, len = part.end - part.first;
+      const int64_t* table = block_tables + b * table_stride + part.first / block_size;
       load_row(q + b * q_token_stride, num_heads * head_dim, queries.data());
       scores.resize(num_heads * len);  // [head][t]
       for_each_run(k_cache, table, len, block_size, token_stride, run,
@@ -405,8 +483,17 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
           score_rows(queries.data() + g * head_dim, rows, token_stride, count, head_dim, scale,
                      out_scores, row.data());
         }
-      }, v_cache + table[0] * block_size * token_stride);
-      for (int64_t g = 0; g < num_heads; ++g) softmax_(scores.data() + g * len, len);
+      }, v_cache + table[0] * block_stride);
+      float* slot = part.slot < 0 ? nullptr : partial.data() + part.slot * slot_floats;
+      for (int64_t g = 0; g < num_heads; ++g) {
+        if (slot == nullptr) {
+          softmax_(scores.data() + g * len, len);
+        } else {
+          const auto [peak, total] = exp_from_peak(scores.data() + g * len, len);
+          slot[num_heads * head_dim + 2 * g] = peak;
+          slot[num_heads * head_dim + 2 * g + 1] = total;
+        }
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_run(v_cache, table, len, block_size, token_stride, run,
                    [&](int64_t t, const T* tokens, int64_t, int64_t count, const Ahead& ahead) {
@@ -427,13 +514,18 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
         for (int64_t g = 0; g < num_heads; ++g)
           accumulate_rows(scores.data() + g * len + t, tokens + (g / group) * row_width,
                           token_stride, count, head_dim, acc.data() + g * head_dim, row.data());
-      }, i + 1 < end ? k_cache + block_tables[order(i + 1) * table_stride] * block_size *
-                                     token_stride
-                     : nullptr);
+      }, i + 1 < end ? k_cache + first_key(parts[i + 1]) : nullptr);
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, c10::BFloat16>)
         if (vector_rows) in_dimension_order(acc.data(), num_heads * head_dim);
 #endif
+      if (slot != nullptr) {
+        std::copy(acc.begin(), acc.end(), slot);
+        // The last part done merges; acq_rel: it sees the other parts' writes.
+        if (unfinished[part.split].fetch_sub(1, std::memory_order_acq_rel) == 1)
+          merge(split[part.split], acc, weights);
+        continue;
+      }
       Q* dst = out + b * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) dst[i] = static_cast<Q>(acc[i]);
     }
