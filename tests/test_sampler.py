@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.kernels import cpu_kernels
 from tokenmill.model.sampler import Sampler, draw, invert_cdf, kept_from
 from tokenmill.sampling_params import SamplingParams
 
@@ -27,13 +28,14 @@ def total_variation(p: torch.Tensor, q: torch.Tensor) -> float:
     return 0.5 * (p.double() - q.double()).abs().sum().item()
 
 
-def uniform_over_support(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+def uniform_over_support(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Deliberately broken: every token that has a share is equally likely."""
-    return draw((probs > 0).float(), generators)
+    return invert_cdf((probs > 0).float(), uniforms)
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=1.0),  # the kernel's path, where it built
+    SamplingParams(temperature=0.6),
     SamplingParams(temperature=0.7, top_k=4),
     SamplingParams(temperature=1.3, top_p=0.8),
     SamplingParams(temperature=1.0, min_p=0.1),
@@ -51,7 +53,7 @@ def test_the_distribution_test_catches_a_skewed_draw(monkeypatch):
     params = SamplingParams(temperature=1.3, top_p=0.8)
     logits = logits_row().expand(DRAWS, VOCAB).contiguous()
     expected = Sampler.shaped_probs(logits[:1].clone(), [params])[0]
-    monkeypatch.setattr("tokenmill.model.sampler.draw", uniform_over_support)
+    monkeypatch.setattr("tokenmill.model.sampler.invert_cdf", uniform_over_support)
     drawn = empirical(Sampler(0)(logits, [params] * DRAWS, [None] * DRAWS).token_ids)
     assert total_variation(drawn, expected) > 5 * TV_BOUND
 
@@ -111,3 +113,24 @@ def test_shaped_probs_equal_the_plain_definitions(temperature, top_k, top_p, min
                                    float("-inf")).softmax(-1)
         probs = probs * (probs >= min_p * probs.max())
         torch.testing.assert_close(got[row], probs / probs.sum(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_inverts_the_same_distribution_as_the_torch_path(dtype):
+    """kernels/sampling.cpp's sample_rows and invert_cdf over shaped_probs map the same uniform
+    numbers to the same tokens, but where rounding moves a boundary."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ compiler here")
+    generator = torch.Generator().manual_seed(9)
+    logits = (torch.randn(2000, 700, generator=generator) * 3).to(dtype)
+    temperatures = torch.rand(2000, generator=generator) + 0.3
+    uniforms = torch.rand(2000, generator=generator, dtype=torch.float64)
+    params = [SamplingParams(temperature=float(t)) for t in temperatures]
+    reference = invert_cdf(Sampler.shaped_probs(logits.to(torch.float32, copy=True), params),
+                           uniforms)
+    got = kernels.sample_rows(logits, temperatures, uniforms)
+    assert (got == reference).float().mean() > 0.995
+    ends = kernels.sample_rows(logits[:2], temperatures[:2],
+                               torch.tensor([0.0, 1.0], dtype=torch.float64))
+    assert ends.tolist() == [0, 699]  # every token has a share at a temperature alone

@@ -9,6 +9,7 @@ whatever batch it shares. Logprobs are of the model's raw distribution, as in vL
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -34,13 +35,26 @@ class Sampler:
         token_ids = greedy_tokens(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows)
-            if self.workspace.numel() < len(rows) * logits.shape[1]:
-                self.workspace = torch.empty(len(rows) * logits.shape[1])
-            work = self.workspace[:len(rows) * logits.shape[1]].view(len(rows), -1)
-            work.copy_(logits if len(rows) == len(params) else logits[rows])
-            probs = self.shaped_probs(work, [params[i] for i in random_rows])
-            token_ids[rows] = draw(probs, [generators[i] or self.generator for i in random_rows])
+            uniforms = draw_uniforms([generators[i] or self.generator for i in random_rows])
+            kernels = row_kernels(logits)
+            plain = [r for r, i in enumerate(random_rows)
+                     if kernels is not None and only_temperature(params[i])]
+            if plain:  # the kernel's two passes over the logits, no probabilities stored
+                rows = torch.tensor([random_rows[r] for r in plain])
+                temperatures = torch.tensor([params[i].temperature for i in rows.tolist()],
+                                            dtype=torch.float32)
+                token_ids[rows] = kernels.sample_rows(
+                    logits if len(rows) == len(params) else logits[rows], temperatures,
+                    uniforms[plain])
+            shaped = sorted(set(range(len(random_rows))) - set(plain))
+            if shaped:
+                rows = torch.tensor([random_rows[r] for r in shaped])
+                if self.workspace.numel() < len(rows) * logits.shape[1]:
+                    self.workspace = torch.empty(len(rows) * logits.shape[1])
+                work = self.workspace[:len(rows) * logits.shape[1]].view(len(rows), -1)
+                work.copy_(logits if len(rows) == len(params) else logits[rows])
+                probs = self.shaped_probs(work, [params[i] for i in rows.tolist()])
+                token_ids[rows] = invert_cdf(probs, uniforms[shaped])
         chosen = token_ids.tolist()
         return SamplerOutput(chosen, self._logprobs(logits, params, chosen))
 
@@ -122,24 +136,39 @@ def kept_from(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> tor
     return kept
 
 
+def row_kernels(logits: torch.Tensor) -> ModuleType | None:
+    """The CPU kernels where they take these logits (kernels/sampling.cpp): 2-D float32 or
+    bfloat16 with contiguous rows, on the CPU."""
+    if logits.dim() == 2 and logits.stride(-1) == 1 \
+            and logits.dtype in (torch.float32, torch.bfloat16):
+        return fused_kernels(logits)
+    return None
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, in the logits' own dtype (a float32 copy orders them the same): by the
-    CPU kernel where it takes them (kernels/argmax.cpp: torch's argmax was 5% of a 64-sequence
-    step), else torch.argmax."""
-    kernels = fused_kernels(logits)
-    if kernels is not None and logits.dim() == 2 and logits.stride(-1) == 1 \
-            and logits.dtype in (torch.float32, torch.bfloat16):
-        return kernels.argmax_rows(logits)
-    return logits.argmax(dim=-1)
+    CPU kernel where it takes them (torch's argmax was 5% of a 64-sequence step), else
+    torch.argmax."""
+    kernels = row_kernels(logits)
+    return logits.argmax(dim=-1) if kernels is None else kernels.argmax_rows(logits)
+
+
+def only_temperature(params: SamplingParams) -> bool:
+    """Whether a request's distribution is the logits' at its temperature, nothing cut."""
+    return params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0
+
+
+def draw_uniforms(generators: list[torch.Generator]) -> torch.Tensor:
+    """One uniform number in [0, 1) a row, float64, from the row's generator. One a row where the
+    exponential race drew one a token: that race (a log and a random number each, serially)
+    took 100 of a 64-sequence step's 140 ms at temperature 1 (perf, AMX VM)."""
+    return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """A token from each row of unnormalised `probs` [rows, vocab], by a uniform number from the
-    row's generator. One number a row where the exponential race drew one a token: that race (a
-    log and a random number each, serially) took 100 of a 64-sequence step's 140 ms at
-    temperature 1 (perf, AMX VM)."""
-    uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
-    return invert_cdf(probs, uniforms)
+    row's generator."""
+    return invert_cdf(probs, draw_uniforms(generators))
 
 
 CDF_BLOCK = 256
