@@ -8,6 +8,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <vector>
+
 namespace {
 
 template <typename T>
@@ -43,15 +48,16 @@ int64_t row_argmax(const T* row, int64_t n) {
   return found;
 }
 
-// Sampling at a temperature alone (no top-k, top-p or min-p): the token where a uniform number
-// falls in the row's cumulative distribution, as model/sampler.py's invert_cdf finds it, without
-// the probabilities ever stored: the row's max, then exp((l - max) / T) summed in float64 a block
-// of kCdfBlock values, then the block the number falls in gone through value by value. The
-// torch path's copy, scaling, softmax and sums took about 7 ms for 64 rows of 49,152.
+// Sampling at a temperature, with or without top-p (no top-k or min-p): the token where a uniform
+// number falls in the row's cumulative distribution, as model/sampler.py's kept_from and
+// invert_cdf find it. The row's max, then each share exp((l - max) / T) into a buffer, top-p's
+// cut from the shares' float exponents (their mass by exponent, then a sort of the one exponent
+// where the cut falls, not of the row), the kept shares summed in float64 a block of kCdfBlock,
+// and the block the number falls in walked value by value. The torch path's copy, scaling,
+// softmax and sums took about 7 ms for 64 rows of 49,152, and top-p's topk candidates more.
 constexpr int64_t kCdfBlock = 256;
 
-// exp((row[i] - peak) * scale) for i in [begin, end) (at most kCdfBlock) into out: both passes
-// compute a value the same way, so the block sums and the walk through a block agree.
+// exp((row[i] - peak) * scale) for i in [begin, end) (at most kCdfBlock) into out.
 template <typename T>
 void shares(const T* row, int64_t begin, int64_t end, float peak, float scale, float* out) {
   int64_t i = begin;
@@ -71,38 +77,73 @@ void shares(const T* row, int64_t begin, int64_t end, float peak, float scale, f
 #endif
 }
 
+// The least share top-p keeps: from the largest, a share stays while those above it sum to less
+// than top_p of the total (ties with it stay too, as kept_from's threshold keeps them).
+float least_kept(const std::vector<float>& values, double total, float top_p) {
+  const auto exponent = [](float v) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    return bits >> 23;  // shares are in [0, 1]: no sign bit, larger exponents hold larger shares
+  };
+  double mass[256] = {};
+  for (const float v : values) mass[exponent(v)] += v;
+  const double target = static_cast<double>(top_p) * total;
+  double above = 0.0;
+  uint32_t cut = 255;
+  for (; cut > 0 && above + mass[cut] < target; --cut) above += mass[cut];
+  std::vector<float> within;
+  for (const float v : values)
+    if (exponent(v) == cut) within.push_back(v);
+  std::sort(within.begin(), within.end(), std::greater<float>());
+  float least = within.empty() ? 0.f : within.front();
+  for (const float v : within) {
+    if (above >= target) break;
+    least = v;
+    above += v;
+  }
+  return least;
+}
+
 template <typename T>
-int64_t sample_row(const T* row, int64_t n, float temperature, double uniform,
-                   std::vector<double>& block_sums) {
+int64_t sample_row(const T* row, int64_t n, float temperature, float top_p, double uniform,
+                   std::vector<float>& values, std::vector<double>& block_sums) {
   const float peak = static_cast<float>(row[row_argmax(row, n)]), scale = 1.f / temperature;
   const int64_t blocks = (n + kCdfBlock - 1) / kCdfBlock;
+  values.resize(n);
   block_sums.resize(blocks);
-  float values[kCdfBlock];
   double total = 0.0;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t begin = b * kCdfBlock, end = std::min(n, begin + kCdfBlock);
-    shares(row, begin, end, peak, scale, values);
+    shares(row, begin, end, peak, scale, values.data() + begin);
     double sum = 0.0;
-    for (int64_t i = 0; i < end - begin; ++i) sum += values[i];
+    for (int64_t i = begin; i < end; ++i) sum += values[i];
     total += (block_sums[b] = sum);
+  }
+  if (top_p < 1.f) {  // the cut shares out of the sums
+    const float least = least_kept(values, total, top_p);
+    total = 0.0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      double sum = 0.0;
+      for (int64_t i = b * kCdfBlock; i < std::min(n, (b + 1) * kCdfBlock); ++i)
+        sum += values[i] < least ? (values[i] = 0.f) : values[i];
+      total += (block_sums[b] = sum);
+    }
   }
   // The first block, then value, whose running sum passes the target; past the end (rounding,
   // a uniform near 1), the last with a share.
   double target = uniform * total;
   int64_t b = 0;
-  for (; b + 1 < blocks && (block_sums[b] <= target || block_sums[b] == 0.0); ++b)
-    target -= block_sums[b];
+  for (; b + 1 < blocks && block_sums[b] <= target; ++b) target -= block_sums[b];
   while (block_sums[b] == 0.0) --b;
   const int64_t begin = b * kCdfBlock, end = std::min(n, begin + kCdfBlock);
-  shares(row, begin, end, peak, scale, values);
-  int64_t last = 0;
+  int64_t last = begin;
   double running = 0.0;
-  for (int64_t i = 0; i < end - begin; ++i) {
+  for (int64_t i = begin; i < end; ++i) {
     if (values[i] == 0.f) continue;
     last = i;
-    if ((running += values[i]) > target) return begin + i;
+    if ((running += values[i]) > target) return i;
   }
-  return begin + last;
+  return last;
 }
 
 }  // namespace
@@ -127,28 +168,34 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
-// logits as argmax_rows takes them; temperatures [rows] float32 (> 0), uniforms [rows] float64 in
-// [0, 1) -> [rows] int64: each row's token by sample_row.
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperatures, torch::Tensor uniforms) {
+// logits as argmax_rows takes them; temperatures [rows] float32 (> 0), top_ps [rows] float32 in
+// (0, 1] (1: no cut), uniforms [rows] float64 in [0, 1) -> [rows] int64: each row's token by
+// sample_row.
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperatures, torch::Tensor top_ps,
+                          torch::Tensor uniforms) {
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0 &&
                   (logits.scalar_type() == torch::kFloat ||
                    logits.scalar_type() == torch::kBFloat16),
               "sample_rows: logits [rows, n] float32 or bfloat16 with contiguous rows");
   const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
   TORCH_CHECK(temperatures.scalar_type() == torch::kFloat && temperatures.numel() == rows &&
+                  top_ps.scalar_type() == torch::kFloat && top_ps.numel() == rows &&
                   uniforms.scalar_type() == torch::kDouble && uniforms.numel() == rows,
-              "sample_rows: temperatures [rows] float32, uniforms [rows] float64");
+              "sample_rows: temperatures and top_ps [rows] float32, uniforms [rows] float64");
   temperatures = temperatures.contiguous();
+  top_ps = top_ps.contiguous();
   uniforms = uniforms.contiguous();
   const float* temps = temperatures.data_ptr<float>();
+  const float* ps = top_ps.data_ptr<float>();
   const double* us = uniforms.data_ptr<double>();
   auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
   int64_t* tokens = out.data_ptr<int64_t>();
   const auto each_row = [&](const auto* data) {
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> values;
       std::vector<double> block_sums;
       for (int64_t r = begin; r < end; ++r)
-        tokens[r] = sample_row(data + r * stride, n, temps[r], us[r], block_sums);
+        tokens[r] = sample_row(data + r * stride, n, temps[r], ps[r], us[r], values, block_sums);
     });
   };
   if (logits.scalar_type() == torch::kFloat) each_row(logits.data_ptr<float>());

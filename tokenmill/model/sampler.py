@@ -38,13 +38,14 @@ class Sampler:
             uniforms = draw_uniforms([generators[i] or self.generator for i in random_rows])
             kernels = row_kernels(logits)
             plain = [r for r, i in enumerate(random_rows)
-                     if kernels is not None and only_temperature(params[i])]
-            if plain:  # the kernel's two passes over the logits, no probabilities stored
+                     if kernels is not None and kernel_draws(params[i])]
+            if plain:  # the kernel's passes over the logits, no probability tensor
                 rows = torch.tensor([random_rows[r] for r in plain])
-                temperatures = torch.tensor([params[i].temperature for i in rows.tolist()],
-                                            dtype=torch.float32)
+                chosen = [params[i] for i in rows.tolist()]
                 token_ids[rows] = kernels.sample_rows(
-                    logits if len(rows) == len(params) else logits[rows], temperatures,
+                    logits if len(rows) == len(params) else logits[rows],
+                    torch.tensor([p.temperature for p in chosen], dtype=torch.float32),
+                    torch.tensor([p.top_p for p in chosen], dtype=torch.float32),
                     uniforms[plain])
             shaped = sorted(set(range(len(random_rows))) - set(plain))
             if shaped:
@@ -153,9 +154,10 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1) if kernels is None else kernels.argmax_rows(logits)
 
 
-def only_temperature(params: SamplingParams) -> bool:
-    """Whether a request's distribution is the logits' at its temperature, nothing cut."""
-    return params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0
+def kernel_draws(params: SamplingParams) -> bool:
+    """Whether kernels/sampling.cpp's sample_rows draws for a request: a temperature, and top-p
+    or not, but no top-k or min-p."""
+    return params.top_k <= 0 and params.min_p <= 0.0
 
 
 def draw_uniforms(generators: list[torch.Generator]) -> torch.Tensor:
