@@ -42,7 +42,12 @@ def uniform_over_support(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.T
     SamplingParams(temperature=1.0, top_k=6, top_p=0.9),
     SamplingParams(temperature=1.0, min_p=0.1),
 ])
-def test_draws_follow_the_shaped_distribution(params):
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_draws_follow_the_shaped_distribution(params, path, monkeypatch):
+    if path == "torch":  # shaped_probs and invert_cdf, as without the C++ kernels
+        monkeypatch.setattr("tokenmill.model.sampler.row_kernels", lambda logits: None)
+    elif cpu_kernels() is None:
+        pytest.skip("no C++ compiler here")
     logits = logits_row().expand(DRAWS, VOCAB).contiguous()
     expected = Sampler.shaped_probs(logits[:1].clone(), [params])[0]
     out = Sampler(0)(logits, [params] * DRAWS, [None] * DRAWS)
@@ -52,7 +57,8 @@ def test_draws_follow_the_shaped_distribution(params):
 
 
 def test_the_distribution_test_catches_a_skewed_draw(monkeypatch):
-    params = SamplingParams(temperature=1.3, top_k=8)  # the torch path's draw
+    params = SamplingParams(temperature=1.3, top_k=8)
+    monkeypatch.setattr("tokenmill.model.sampler.row_kernels", lambda logits: None)
     logits = logits_row().expand(DRAWS, VOCAB).contiguous()
     expected = Sampler.shaped_probs(logits[:1].clone(), [params])[0]
     monkeypatch.setattr("tokenmill.model.sampler.invert_cdf", uniform_over_support)
@@ -119,8 +125,9 @@ def test_shaped_probs_equal_the_plain_definitions(temperature, top_k, top_p, min
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_inverts_the_same_distribution_as_the_torch_path(dtype):
-    """kernels/sampling.cpp's sample_rows and invert_cdf over shaped_probs (top-p by kept_from)
-    map the same uniform numbers to the same tokens, but where rounding moves a boundary."""
+    """kernels/sampling.cpp's sample_rows and invert_cdf over shaped_probs map the same uniform
+    numbers to the same tokens under mixed temperatures, top-k, top-p and min-p, but where
+    rounding moves a boundary."""
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("no C++ compiler here")
@@ -128,15 +135,18 @@ def test_the_kernel_inverts_the_same_distribution_as_the_torch_path(dtype):
     rows = 3000
     logits = (torch.randn(rows, 700, generator=generator) * 3).to(dtype)
     temperatures = torch.rand(rows, generator=generator) + 0.3
-    top_ps = torch.where(torch.arange(rows) % 3 == 0, 1.0,
-                         torch.rand(rows, generator=generator) * 0.9 + 0.05)
+    which = torch.arange(rows)
+    top_ks = torch.where(which % 4 == 1, torch.randint(1, 300, (rows,), generator=generator), 0)
+    top_ps = torch.where(which % 3 == 0, 1.0, torch.rand(rows, generator=generator) * 0.9 + 0.05)
+    min_ps = torch.where(which % 5 == 2, torch.rand(rows, generator=generator) * 0.2, 0.0)
     uniforms = torch.rand(rows, generator=generator, dtype=torch.float64)
-    params = [SamplingParams(temperature=float(t), top_p=float(p))
-              for t, p in zip(temperatures, top_ps)]
+    params = [SamplingParams(temperature=float(t), top_k=int(k), top_p=float(p), min_p=float(m))
+              for t, k, p, m in zip(temperatures, top_ks, top_ps, min_ps)]
     reference = invert_cdf(Sampler.shaped_probs(logits.to(torch.float32, copy=True), params),
                            uniforms)
-    got = kernels.sample_rows(logits, temperatures, top_ps, uniforms)
+    got = kernels.sample_rows(logits, temperatures, top_ks, top_ps, min_ps, uniforms)
     assert (got == reference).float().mean() > 0.995
-    ends = kernels.sample_rows(logits[:2], temperatures[:2], torch.ones(2),
+    ends = kernels.sample_rows(logits[:2], temperatures[:2], torch.zeros(2, dtype=torch.long),
+                               torch.ones(2), torch.zeros(2),
                                torch.tensor([0.0, 1.0], dtype=torch.float64))
     assert ends.tolist() == [0, 699]  # every token has a share at a temperature alone

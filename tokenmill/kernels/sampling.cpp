@@ -48,12 +48,11 @@ int64_t row_argmax(const T* row, int64_t n) {
   return found;
 }
 
-// Sampling at a temperature, with or without top-p (no top-k or min-p): the token where a uniform
-// number falls in the row's cumulative distribution, as model/sampler.py's kept_from and
-// invert_cdf find it. The row's max, then each share exp((l - max) / T) into a buffer, top-p's
-// cut from the shares' float exponents (their mass by exponent, then a sort of the one exponent
-// where the cut falls, not of the row), the kept shares summed in float64 a block of kCdfBlock,
-// and the block the number falls in walked value by value. The torch path's copy, scaling,
+// Sampling: the token where a uniform number falls in the row's cumulative distribution after
+// temperature, top-k, top-p and min-p, as model/sampler.py's shaped_probs and invert_cdf find
+// it. The row's max, then each share exp((l - max) / T) into a buffer, the cuts (least_kept),
+// the kept shares summed in float64 a block of kCdfBlock, and the block the number falls in
+// walked value by value. The torch path's copy, scaling,
 // softmax and sums took about 7 ms for 64 rows of 49,152, and top-p's topk candidates more.
 constexpr int64_t kCdfBlock = 256;
 
@@ -77,36 +76,67 @@ void shares(const T* row, int64_t begin, int64_t end, float peak, float scale, f
 #endif
 }
 
-// The least share top-p keeps: from the largest, a share stays while those above it sum to less
-// than top_p of the total (ties with it stay too, as kept_from's threshold keeps them).
-float least_kept(const std::vector<float>& values, double total, float top_p) {
-  const auto exponent = [](float v) {
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof bits);
-    return bits >> 23;  // shares are in [0, 1]: no sign bit, larger exponents hold larger shares
-  };
-  double mass[256] = {};
-  for (const float v : values) mass[exponent(v)] += v;
-  const double target = static_cast<double>(top_p) * total;
-  double above = 0.0;
-  uint32_t cut = 255;
-  for (; cut > 0 && above + mass[cut] < target; --cut) above += mass[cut];
-  std::vector<float> within;
+inline uint32_t exponent(float share) {  // shares are in [0, 1]: no sign; a larger exponent, a larger share
+  uint32_t bits;
+  std::memcpy(&bits, &share, sizeof bits);
+  return bits >> 23;
+}
+
+// The shares above `floor` with exponent e, and `ties` more equal to floor if it has exponent e,
+// largest first.
+std::vector<float> exponent_shares(const std::vector<float>& values, float floor, int64_t ties,
+                                   uint32_t e) {
+  std::vector<float> found;
   for (const float v : values)
-    if (exponent(v) == cut) within.push_back(v);
-  std::sort(within.begin(), within.end(), std::greater<float>());
-  float least = within.empty() ? 0.f : within.front();
-  for (const float v : within) {
-    if (above >= target) break;
-    least = v;
-    above += v;
+    if (v > floor && exponent(v) == e) found.push_back(v);
+  if (exponent(floor) == e) found.insert(found.end(), ties, floor);
+  std::sort(found.begin(), found.end(), std::greater<float>());
+  return found;
+}
+
+// The least share kept, as kept_from and shaped_probs keep them: top-k's k-th largest (ties with
+// it too); then top-p's among the top k (exactly k, counting ties with the k-th as kept_from's
+// ranks do): from the largest, a share stays while those above it sum to less than top_p of the
+// k's total; then min-p's, a share of at least min_p of the largest, which is 1. Each cut is
+// found from the shares' float exponents (their count or mass by exponent), then a sort of the
+// one exponent where it falls, not of the row.
+float least_kept(const std::vector<float>& values, int64_t top_k, float top_p, float min_p) {
+  float least = 0.f;
+  int64_t ties = 0;  // shares equal to least among the top k (top-k on)
+  if (0 < top_k && top_k < static_cast<int64_t>(values.size())) {
+    int64_t count[256] = {};
+    for (const float v : values) ++count[exponent(v)];
+    int64_t above = 0;
+    uint32_t e = 255;
+    for (; e > 0 && above + count[e] < top_k; --e) above += count[e];
+    least = exponent_shares(values, -1.f, 0, e)[top_k - above - 1];
+    ties = top_k;
+    for (const float v : values) ties -= v > least;
   }
-  return least;
+  if (top_p < 1.f) {
+    double mass[256] = {}, total = 0.0;
+    for (const float v : values)
+      if (v > least || (ties == 0 && v == least)) total += v, mass[exponent(v)] += v;
+    total += static_cast<double>(ties) * least;
+    mass[exponent(least)] += static_cast<double>(ties) * least;
+    const double target = static_cast<double>(top_p) * total;
+    double above = 0.0;
+    uint32_t e = 255;
+    for (; e > 0 && above + mass[e] < target; --e) above += mass[e];
+    const float floor = ties > 0 ? least : std::nextafter(least, -1.f);
+    for (const float v : exponent_shares(values, floor, ties, e)) {
+      if (above >= target) break;
+      least = v;
+      above += v;
+    }
+  }
+  return std::max(least, min_p);
 }
 
 template <typename T>
-int64_t sample_row(const T* row, int64_t n, float temperature, float top_p, double uniform,
-                   std::vector<float>& values, std::vector<double>& block_sums) {
+int64_t sample_row(const T* row, int64_t n, float temperature, int64_t top_k, float top_p,
+                   float min_p, double uniform, std::vector<float>& values,
+                   std::vector<double>& block_sums) {
   const float peak = static_cast<float>(row[row_argmax(row, n)]), scale = 1.f / temperature;
   const int64_t blocks = (n + kCdfBlock - 1) / kCdfBlock;
   values.resize(n);
@@ -119,8 +149,8 @@ int64_t sample_row(const T* row, int64_t n, float temperature, float top_p, doub
     for (int64_t i = begin; i < end; ++i) sum += values[i];
     total += (block_sums[b] = sum);
   }
-  if (top_p < 1.f) {  // the cut shares out of the sums
-    const float least = least_kept(values, total, top_p);
+  if ((0 < top_k && top_k < n) || top_p < 1.f || min_p > 0.f) {  // the cut shares out of the sums
+    const float least = least_kept(values, top_k, top_p, min_p);
     total = 0.0;
     for (int64_t b = 0; b < blocks; ++b) {
       double sum = 0.0;
@@ -168,25 +198,32 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
-// logits as argmax_rows takes them; temperatures [rows] float32 (> 0), top_ps [rows] float32 in
-// (0, 1] (1: no cut), uniforms [rows] float64 in [0, 1) -> [rows] int64: each row's token by
-// sample_row.
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperatures, torch::Tensor top_ps,
-                          torch::Tensor uniforms) {
+// logits as argmax_rows takes them; temperatures [rows] float32 (> 0), top_ks [rows] int64 (0:
+// no cut), top_ps and min_ps [rows] float32 (1 and 0: no cut), uniforms [rows] float64 in [0, 1)
+// -> [rows] int64: each row's token by sample_row.
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperatures, torch::Tensor top_ks,
+                          torch::Tensor top_ps, torch::Tensor min_ps, torch::Tensor uniforms) {
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0 &&
                   (logits.scalar_type() == torch::kFloat ||
                    logits.scalar_type() == torch::kBFloat16),
               "sample_rows: logits [rows, n] float32 or bfloat16 with contiguous rows");
   const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
-  TORCH_CHECK(temperatures.scalar_type() == torch::kFloat && temperatures.numel() == rows &&
-                  top_ps.scalar_type() == torch::kFloat && top_ps.numel() == rows &&
-                  uniforms.scalar_type() == torch::kDouble && uniforms.numel() == rows,
-              "sample_rows: temperatures and top_ps [rows] float32, uniforms [rows] float64");
+  const auto per_row = [&](const torch::Tensor& t, torch::ScalarType type) {
+    return t.scalar_type() == type && t.numel() == rows;
+  };
+  TORCH_CHECK(per_row(temperatures, torch::kFloat) && per_row(top_ks, torch::kLong) &&
+                  per_row(top_ps, torch::kFloat) && per_row(min_ps, torch::kFloat) &&
+                  per_row(uniforms, torch::kDouble),
+              "sample_rows: temperatures, top_ps and min_ps [rows] float32, top_ks [rows] int64, "
+              "uniforms [rows] float64");
   temperatures = temperatures.contiguous();
+  top_ks = top_ks.contiguous();
   top_ps = top_ps.contiguous();
+  min_ps = min_ps.contiguous();
   uniforms = uniforms.contiguous();
-  const float* temps = temperatures.data_ptr<float>();
-  const float* ps = top_ps.data_ptr<float>();
+  const float *temps = temperatures.data_ptr<float>(), *ps = top_ps.data_ptr<float>();
+  const float* mins = min_ps.data_ptr<float>();
+  const int64_t* ks = top_ks.data_ptr<int64_t>();
   const double* us = uniforms.data_ptr<double>();
   auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
   int64_t* tokens = out.data_ptr<int64_t>();
@@ -195,7 +232,8 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperatures, torc
       std::vector<float> values;
       std::vector<double> block_sums;
       for (int64_t r = begin; r < end; ++r)
-        tokens[r] = sample_row(data + r * stride, n, temps[r], ps[r], us[r], values, block_sums);
+        tokens[r] = sample_row(data + r * stride, n, temps[r], ks[r], ps[r], mins[r], us[r],
+                               values, block_sums);
     });
   };
   if (logits.scalar_type() == torch::kFloat) each_row(logits.data_ptr<float>());

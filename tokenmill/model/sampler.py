@@ -37,25 +37,22 @@ class Sampler:
         if random_rows:
             uniforms = draw_uniforms([generators[i] or self.generator for i in random_rows])
             kernels = row_kernels(logits)
-            plain = [r for r, i in enumerate(random_rows)
-                     if kernels is not None and kernel_draws(params[i])]
-            if plain:  # the kernel's passes over the logits, no probability tensor
-                rows = torch.tensor([random_rows[r] for r in plain])
-                chosen = [params[i] for i in rows.tolist()]
+            rows = torch.tensor(random_rows)
+            chosen_logits = logits if len(rows) == len(params) else logits[rows]
+            shaping = [params[i] for i in random_rows]
+            if kernels is not None:  # its passes over the logits, no probability tensor
                 token_ids[rows] = kernels.sample_rows(
-                    logits if len(rows) == len(params) else logits[rows],
-                    torch.tensor([p.temperature for p in chosen], dtype=torch.float32),
-                    torch.tensor([p.top_p for p in chosen], dtype=torch.float32),
-                    uniforms[plain])
-            shaped = sorted(set(range(len(random_rows))) - set(plain))
-            if shaped:
-                rows = torch.tensor([random_rows[r] for r in shaped])
+                    chosen_logits,
+                    torch.tensor([p.temperature for p in shaping], dtype=torch.float32),
+                    torch.tensor([max(p.top_k, 0) for p in shaping], dtype=torch.long),
+                    torch.tensor([p.top_p for p in shaping], dtype=torch.float32),
+                    torch.tensor([p.min_p for p in shaping], dtype=torch.float32), uniforms)
+            else:
                 if self.workspace.numel() < len(rows) * logits.shape[1]:
                     self.workspace = torch.empty(len(rows) * logits.shape[1])
                 work = self.workspace[:len(rows) * logits.shape[1]].view(len(rows), -1)
-                work.copy_(logits if len(rows) == len(params) else logits[rows])
-                probs = self.shaped_probs(work, [params[i] for i in rows.tolist()])
-                token_ids[rows] = invert_cdf(probs, uniforms[shaped])
+                probs = self.shaped_probs(work.copy_(chosen_logits), shaping)
+                token_ids[rows] = invert_cdf(probs, uniforms)
         chosen = token_ids.tolist()
         return SamplerOutput(chosen, self._logprobs(logits, params, chosen))
 
@@ -152,12 +149,6 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     torch.argmax."""
     kernels = row_kernels(logits)
     return logits.argmax(dim=-1) if kernels is None else kernels.argmax_rows(logits)
-
-
-def kernel_draws(params: SamplingParams) -> bool:
-    """Whether kernels/sampling.cpp's sample_rows draws for a request: a temperature, and top-p
-    or not, but no top-k or min-p."""
-    return params.top_k <= 0 and params.min_p <= 0.0
 
 
 def draw_uniforms(generators: list[torch.Generator]) -> torch.Tensor:
