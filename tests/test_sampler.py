@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.distributions import total_variation
 from tokenmill.kernels import cpu_kernels
 from tokenmill.model.sampler import Sampler, draw, invert_cdf, kept_from
 from tokenmill.sampling_params import SamplingParams
@@ -22,10 +23,6 @@ def logits_row() -> torch.Tensor:
 def empirical(token_ids: list[int]) -> torch.Tensor:
     counts = torch.bincount(torch.tensor(token_ids), minlength=VOCAB).double()
     return counts / counts.sum()
-
-
-def total_variation(p: torch.Tensor, q: torch.Tensor) -> float:
-    return 0.5 * (p.double() - q.double()).abs().sum().item()
 
 
 def uniform_over_support(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

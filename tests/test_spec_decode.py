@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 
+from tests.distributions import total_variation
 from tests.prompts import SYSTEM_PROMPT, varied_prompts
 from tokenmill import EngineConfig, SamplingParams
 from tokenmill.cli import build_parser, engine_config_from_args
@@ -247,10 +248,6 @@ def emitted_distributions(sampler_class, num_samples: int = 20000):
     expected = scaled.masked_fill(scaled < scaled.topk(5, dim=-1).values[:, -1:], float("-inf"))
     expected = expected.softmax(dim=-1)
     return first / first.sum(), second / second.sum(), expected[0], expected[1]
-
-
-def total_variation(p: torch.Tensor, q: torch.Tensor) -> float:
-    return 0.5 * (p - q).abs().sum().item()
 
 
 def test_rejection_sampler_keeps_the_target_distribution():

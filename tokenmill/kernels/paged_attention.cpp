@@ -384,6 +384,10 @@ struct Part {
   int64_t split;                 // its sequence's index among the split ones
 };
 
+struct Split {
+  int64_t first_part, parts;  // parts [first_part, first_part + parts) of the task list
+};
+
 // One task a part of a sequence, all its heads together: a task reading one head's rows strided
 // through the pool was bound by memory latency (3 GB/s); whole tokens are contiguous.
 template <typename Q, typename T>
@@ -404,7 +408,7 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
   const auto order = [&](int64_t i) { return table_stride == 0 ? balanced_order(i, batch) : i; };
   const int64_t part_tokens = (kPartTokens + block_size - 1) / block_size * block_size;
   std::vector<Part> parts;
-  std::vector<int64_t> split;  // the split sequences' first parts, in parts
+  std::vector<Split> splits;
   int64_t slots = 0;
   for (int64_t i = 0; i < batch; ++i) {
     const int64_t b = order(i), len = seq_lens[b];
@@ -412,21 +416,25 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
       parts.push_back({b, 0, len, -1, -1});
       continue;
     }
-    const int64_t index = static_cast<int64_t>(split.size());
-    split.push_back(static_cast<int64_t>(parts.size()));
+    const int64_t index = static_cast<int64_t>(splits.size());
+    splits.push_back({static_cast<int64_t>(parts.size()), (len + part_tokens - 1) / part_tokens});
     for (int64_t first = 0; first < len; first += part_tokens)
       parts.push_back({b, first, std::min(len, first + part_tokens), slots++, index});
   }
   // A part's weighted sum of V [heads][head_dim], then its max and sum a head.
   const int64_t slot_floats = num_heads * (head_dim + 2);
   std::vector<float> partial(slots * slot_floats);
-  std::vector<std::atomic<int64_t>> unfinished(split.size());
-  for (size_t s = 0; s < split.size(); ++s)
-    unfinished[s] = (seq_lens[parts[split[s]].sequence] + part_tokens - 1) / part_tokens;
+  std::vector<std::atomic<int64_t>> unfinished(splits.size());
+  for (size_t s = 0; s < splits.size(); ++s) unfinished[s] = splits[s].parts;
+  // Sequence b's attention, from float32 acc.
+  const auto store = [&](int64_t b, const std::vector<float>& acc) {
+    Q* dst = out + b * num_heads * head_dim;
+    for (int64_t i = 0; i < num_heads * head_dim; ++i) dst[i] = static_cast<Q>(acc[i]);
+  };
   // Each split sequence: its parts' sums, each rescaled from its own max to the largest.
-  const auto merge = [&](int64_t first, std::vector<float>& acc, std::vector<float>& weights) {
-    const int64_t b = parts[first].sequence;
-    const int64_t count = (seq_lens[b] + part_tokens - 1) / part_tokens;
+  const auto merge = [&](const Split& split, std::vector<float>& acc,
+                         std::vector<float>& weights) {
+    const int64_t first = split.first_part, count = split.parts, b = parts[first].sequence;
     weights.resize(count);
     std::fill(acc.begin(), acc.end(), 0.f);
     for (int64_t g = 0; g < num_heads; ++g) {
@@ -443,8 +451,7 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
         for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += w * part_acc[d];
       }
     }
-    Q* dst = out + b * num_heads * head_dim;
-    for (int64_t i = 0; i < num_heads * head_dim; ++i) dst[i] = static_cast<Q>(acc[i]);
+    store(b, acc);
   };
   const auto first_key = [&](const Part& part) {
     return block_tables[part.sequence * table_stride + part.first / block_size] * block_stride;
@@ -523,11 +530,10 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
         std::copy(acc.begin(), acc.end(), slot);
         // The last part done merges; acq_rel: it sees the other parts' writes.
         if (unfinished[part.split].fetch_sub(1, std::memory_order_acq_rel) == 1)
-          merge(split[part.split], acc, weights);
+          merge(splits[part.split], acc, weights);
         continue;
       }
-      Q* dst = out + b * num_heads * head_dim;
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) dst[i] = static_cast<Q>(acc[i]);
+      store(b, acc);
     }
   });
 }

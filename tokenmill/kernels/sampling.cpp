@@ -1,8 +1,9 @@
 // The sampler's passes over the logits.
 //
-// Greedy: each row's largest value's index (the first, on ties), as torch.argmax gives it. torch's CPU argmax took 2 ms on 64 x 49,152 float32 logits on the AMX
-// machine, and 5 ms on the bfloat16 ones (3 ms with the float32 copy the sampler made first): 5%
-// of a 64-sequence decode step, for 6 MB read. Here each of 16 lanes keeps its best value and
+// Greedy: each row's largest value's index (the first, on ties), as torch.argmax gives it.
+// torch's CPU argmax took 2 ms on 64 x 49,152 float32 logits on the AMX machine, and 5 ms on the
+// bfloat16 ones (3 ms with the float32 copy the sampler made first): 5% of a 64-sequence decode
+// step, for 6 MB read. Here each of 16 lanes keeps its best value and
 // index, and the lanes are folded once a row. NaN never wins (torch would pick it): logits with
 // NaN have no meaningful argmax.
 #include <torch/extension.h>
@@ -52,31 +53,31 @@ int64_t row_argmax(const T* row, int64_t n) {
 // temperature, top-k, top-p and min-p, as model/sampler.py's shaped_probs and invert_cdf find
 // it. The row's max, then each share exp((l - max) / T) into a buffer, the cuts (least_kept),
 // the kept shares summed in float64 a block of kCdfBlock, and the block the number falls in
-// walked value by value. The torch path's copy, scaling,
-// softmax and sums took about 7 ms for 64 rows of 49,152, and top-p's topk candidates more.
+// walked value by value. The torch path's copy, scaling, softmax and sums took about 7 ms for 64
+// rows of 49,152, and top-p's topk candidates more.
 constexpr int64_t kCdfBlock = 256;
 
-// exp((row[i] - peak) * scale) for i in [begin, end) (at most kCdfBlock) into out.
+// out[i] = exp((row[i] - peak) * scale) for the row's n values.
 template <typename T>
-void shares(const T* row, int64_t begin, int64_t end, float peak, float scale, float* out) {
-  int64_t i = begin;
+void shares(const T* row, int64_t n, float peak, float scale, float* out) {
+  int64_t i = 0;
 #if defined(__AVX512F__)
   const __m512 top = _mm512_set1_ps(peak), by = _mm512_set1_ps(scale);
-  for (; i + 16 <= end; i += 16)
-    _mm512_storeu_ps(out + i - begin, exp16(_mm512_mul_ps(_mm512_sub_ps(load16(row + i), top), by)));
-  if (i < end) {
+  const auto share16 = [&](__m512 x) { return exp16(_mm512_mul_ps(_mm512_sub_ps(x, top), by)); };
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, share16(load16(row + i)));
+  if (i < n) {
     alignas(64) float tail[16] = {};
-    for (int64_t j = i; j < end; ++j) tail[j - i] = static_cast<float>(row[j]);
-    alignas(64) float values[16];
-    _mm512_store_ps(values, exp16(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(tail), top), by)));
-    std::copy(values, values + (end - i), out + i - begin);
+    for (int64_t j = i; j < n; ++j) tail[j - i] = static_cast<float>(row[j]);
+    _mm512_store_ps(tail, share16(_mm512_load_ps(tail)));
+    std::copy(tail, tail + (n - i), out + i);
   }
 #else
-  for (; i < end; ++i) out[i - begin] = std::exp((static_cast<float>(row[i]) - peak) * scale);
+  for (; i < n; ++i) out[i] = std::exp((static_cast<float>(row[i]) - peak) * scale);
 #endif
 }
 
-inline uint32_t exponent(float share) {  // shares are in [0, 1]: no sign; a larger exponent, a larger share
+// Shares are in [0, 1]: no sign bit, and a larger exponent holds larger shares.
+inline uint32_t exponent(float share) {
   uint32_t bits;
   std::memcpy(&bits, &share, sizeof bits);
   return bits >> 23;
@@ -140,24 +141,18 @@ int64_t sample_row(const T* row, int64_t n, float temperature, int64_t top_k, fl
   const float peak = static_cast<float>(row[row_argmax(row, n)]), scale = 1.f / temperature;
   const int64_t blocks = (n + kCdfBlock - 1) / kCdfBlock;
   values.resize(n);
+  shares(row, n, peak, scale, values.data());
+  if ((0 < top_k && top_k < n) || top_p < 1.f || min_p > 0.f) {  // the cut shares become 0
+    const float least = least_kept(values, top_k, top_p, min_p);
+    for (float& v : values)
+      if (v < least) v = 0.f;
+  }
   block_sums.resize(blocks);
   double total = 0.0;
   for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t begin = b * kCdfBlock, end = std::min(n, begin + kCdfBlock);
-    shares(row, begin, end, peak, scale, values.data() + begin);
     double sum = 0.0;
-    for (int64_t i = begin; i < end; ++i) sum += values[i];
+    for (int64_t i = b * kCdfBlock; i < std::min(n, (b + 1) * kCdfBlock); ++i) sum += values[i];
     total += (block_sums[b] = sum);
-  }
-  if ((0 < top_k && top_k < n) || top_p < 1.f || min_p > 0.f) {  // the cut shares out of the sums
-    const float least = least_kept(values, top_k, top_p, min_p);
-    total = 0.0;
-    for (int64_t b = 0; b < blocks; ++b) {
-      double sum = 0.0;
-      for (int64_t i = b * kCdfBlock; i < std::min(n, (b + 1) * kCdfBlock); ++i)
-        sum += values[i] < least ? (values[i] = 0.f) : values[i];
-      total += (block_sums[b] = sum);
-    }
   }
   // The first block, then value, whose running sum passes the target; past the end (rounding,
   // a uniform near 1), the last with a share.
@@ -176,21 +171,25 @@ int64_t sample_row(const T* row, int64_t n, float temperature, int64_t top_k, fl
   return last;
 }
 
-}  // namespace
-
-// logits [rows, n] float32 or bfloat16 with contiguous rows, n < 2^31 -> [rows] int64.
-torch::Tensor argmax_rows(torch::Tensor logits) {
+void check_logits(const torch::Tensor& logits, const char* name) {
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0 &&
                   logits.size(1) < (int64_t{1} << 31) &&
                   (logits.scalar_type() == torch::kFloat ||
                    logits.scalar_type() == torch::kBFloat16),
-              "argmax_rows: logits [rows, n] float32 or bfloat16 with contiguous rows");
-  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+              name, ": logits [rows, n] float32 or bfloat16 with contiguous rows");
+}
+
+// A token a row of checked logits, [rows] int64: token(row values, r, scratch), each thread with
+// its own Scratch.
+template <typename Scratch, typename Token>
+torch::Tensor token_per_row(const torch::Tensor& logits, Token token) {
+  const int64_t rows = logits.size(0), stride = logits.stride(0);
   auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
-  int64_t* indices = out.data_ptr<int64_t>();
+  int64_t* tokens = out.data_ptr<int64_t>();
   const auto each_row = [&](const auto* data) {
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) indices[r] = row_argmax(data + r * stride, n);
+      Scratch scratch;
+      for (int64_t r = begin; r < end; ++r) tokens[r] = token(data + r * stride, r, scratch);
     });
   };
   if (logits.scalar_type() == torch::kFloat) each_row(logits.data_ptr<float>());
@@ -198,16 +197,31 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
+struct NoScratch {};
+
+struct SampleScratch {
+  std::vector<float> values;
+  std::vector<double> block_sums;
+};
+
+}  // namespace
+
+// logits [rows, n] float32 or bfloat16 with contiguous rows, n < 2^31 -> [rows] int64.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  check_logits(logits, "argmax_rows");
+  const int64_t n = logits.size(1);
+  return token_per_row<NoScratch>(logits, [&](const auto* row, int64_t, NoScratch&) {
+    return row_argmax(row, n);
+  });
+}
+
 // logits as argmax_rows takes them; temperatures [rows] float32 (> 0), top_ks [rows] int64 (0:
 // no cut), top_ps and min_ps [rows] float32 (1 and 0: no cut), uniforms [rows] float64 in [0, 1)
 // -> [rows] int64: each row's token by sample_row.
 torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperatures, torch::Tensor top_ks,
                           torch::Tensor top_ps, torch::Tensor min_ps, torch::Tensor uniforms) {
-  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0 &&
-                  (logits.scalar_type() == torch::kFloat ||
-                   logits.scalar_type() == torch::kBFloat16),
-              "sample_rows: logits [rows, n] float32 or bfloat16 with contiguous rows");
-  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  check_logits(logits, "sample_rows");
+  const int64_t rows = logits.size(0), n = logits.size(1);
   const auto per_row = [&](const torch::Tensor& t, torch::ScalarType type) {
     return t.scalar_type() == type && t.numel() == rows;
   };
@@ -225,18 +239,9 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperatures, torc
   const float* mins = min_ps.data_ptr<float>();
   const int64_t* ks = top_ks.data_ptr<int64_t>();
   const double* us = uniforms.data_ptr<double>();
-  auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
-  int64_t* tokens = out.data_ptr<int64_t>();
-  const auto each_row = [&](const auto* data) {
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> values;
-      std::vector<double> block_sums;
-      for (int64_t r = begin; r < end; ++r)
-        tokens[r] = sample_row(data + r * stride, n, temps[r], ks[r], ps[r], mins[r], us[r],
-                               values, block_sums);
-    });
-  };
-  if (logits.scalar_type() == torch::kFloat) each_row(logits.data_ptr<float>());
-  else each_row(logits.data_ptr<c10::BFloat16>());
-  return out;
+  return token_per_row<SampleScratch>(logits, [&](const auto* row, int64_t r,
+                                                 SampleScratch& scratch) {
+    return sample_row(row, n, temps[r], ks[r], ps[r], mins[r], us[r], scratch.values,
+                      scratch.block_sums);
+  });
 }

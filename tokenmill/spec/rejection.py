@@ -9,7 +9,9 @@ bonus token comes from the last row. We realise exactly that by drawing the targ
 each position the way the plain sampler does (sampler.draw: one uniform number per position
 from the request's generator) and accepting x when the draw equals it: P(accept) = p(x), and a
 rejection's draw is distributed as p given "not x". Since one number is consumed per emitted
-token, a seeded request emits the very tokens it would without speculation. Greedy
+token, a seeded request emits the tokens it would without speculation, but where a number lands
+within rounding of a boundary: on the CPU the plain sampler draws in kernels/sampling.cpp, whose
+shares differ from shaped_probs' in the last bits (docs/speculative.md). Greedy
 requests accept the longest prefix equal to the target's argmax, then take the argmax after it.
 """
 
