@@ -48,6 +48,9 @@ ENGINES = ("hf_generate", "hf_generate_batch", "tokenmill")
 MIN_PROMPT_LEN, MAX_PROMPT_LEN, WARMUP_PROMPT_LEN = 20, 300, 32
 TARGETS = {"tokenmill_over_hf_generate_batch_throughput": 15.0,
            "tokenmill_over_hf_generate_single_stream_decode": 4.0}
+# transformers 5.17 (a GPU machine's) calls the KV page size block_size; 5.25 page_size.
+PAGE_SIZE_FIELD = next(name for name in ("page_size", "block_size")
+                       if name in ContinuousBatchingConfig.__dataclass_fields__)
 Spec = dict[str, Any]  # what a worker subprocess is told to run
 Result = dict[str, Any]  # what it reports back
 
@@ -106,7 +109,8 @@ def run_hf_generate(spec: Spec) -> Result:
 
     def generate(prompt: list[int], max_new_tokens: int, clock: TokenClock | None) -> int:
         with torch.inference_mode():
-            output = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+            output = model.generate(torch.tensor([prompt], device=model.device),
+                                    max_new_tokens=max_new_tokens,
                                     do_sample=False, pad_token_id=0, streamer=clock)
         return output.shape[1] - len(prompt)
 
@@ -141,7 +145,7 @@ def run_hf_generate_batch(spec: Spec) -> Result:
     page_size = 256
     pages_per_request = -(-(max(map(len, prompts)) + output_len) // page_size)
     batching = ContinuousBatchingConfig(
-        page_size=page_size, num_blocks=len(prompts) * pages_per_request,
+        **{PAGE_SIZE_FIELD: page_size}, num_blocks=len(prompts) * pages_per_request,
         max_batch_tokens=spec["hf_max_batch_tokens"],
         max_requests_per_batch=spec["hf_max_requests_per_batch"])
     # eos_token_id=-1 turns EOS off (None would fall back to the model's EOS).
@@ -161,7 +165,7 @@ def run_hf_generate_batch(spec: Spec) -> Result:
     kv_bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
                           * model.dtype.itemsize)
     settings = {name: getattr(batching, name) for name in (
-        "page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch",
+        PAGE_SIZE_FIELD, "num_blocks", "max_batch_tokens", "max_requests_per_batch",
         "allow_block_sharing", "default_compile_level")}
     return _throughput(len(prompts), sum(lengths), wall) | {
         "kv_capacity_tokens": kv_tokens, "kv_cache_bytes": kv_tokens * kv_bytes_per_token,
@@ -170,8 +174,9 @@ def run_hf_generate_batch(spec: Spec) -> Result:
 
 
 def run_tokenmill(spec: Spec) -> Result:
-    llm = LLM(spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"],
-              num_threads=spec["threads"], quantization=spec["quantization"])
+    llm = LLM(spec["model"], dtype=spec["dtype"], device=spec["device"],
+              max_num_seqs=spec["max_num_seqs"], num_threads=spec["threads"],
+              quantization=spec["quantization"])
     output_len, prompts = spec["output_len"], spec["prompts"]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([spec["warmup_prompt"]], SamplingParams(temperature=0.0, max_tokens=4,
@@ -201,7 +206,7 @@ def _load_hf_model(spec: Spec, attn_implementation: str) -> Any:
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=getattr(torch, spec["dtype"]), attn_implementation=attn_implementation,
         **kwargs)
-    return model.eval()
+    return model.to(spec["device"]).eval()
 
 
 def _check_lengths(lengths: list[int], num_requests: int, output_len: int) -> None:
@@ -228,6 +233,8 @@ def worker(spec_path: Path, result_path: Path) -> None:
     result = RUNNERS[spec["engine"]](spec)
     # ru_maxrss is in KiB on Linux: the peak of this process, which ran nothing but this engine.
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if spec["device"].startswith("cuda"):
+        result["peak_gpu_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
     result["torch_threads"] = torch.get_num_threads()
     result_path.write_text(json.dumps(result))
 
@@ -256,7 +263,7 @@ def ratios(results: dict[str, Result]) -> dict[str, float | None]:
 
 
 MEDIAN_FIGURES = ("wall_s", "output_tokens_per_s", "single_stream_decode_tokens_per_s",
-                  "peak_rss_mib")
+                  "peak_rss_mib", "peak_gpu_memory_mib")
 
 
 def median_runs(runs: list[Result]) -> Result:
@@ -295,6 +302,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", "--dtypes", dest="dtypes", default="auto",
                         help="float32, bfloat16 or auto (tokenmill's rule: bf16 where the CPU "
                              "has AVX-512 BF16 or AMX); a list such as float32,auto runs each")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N], for every engine")
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
@@ -331,8 +339,10 @@ def main() -> None:
     model_path = resolve_model_path(args.model)
     prompts, warmup_prompt = build_prompts(model_path, args.num_prompts)
     for requested in dtypes:
-        dtype = str(EngineConfig(dtype=requested).torch_dtype()).removeprefix("torch.")
+        dtype = str(EngineConfig(dtype=requested, device=args.device).torch_dtype()
+                    ).removeprefix("torch.")
         spec = {"model": args.model, "model_path": str(model_path), "dtype": dtype,
+                "device": args.device,
                 "prompts": prompts, "warmup_prompt": warmup_prompt, "output_len": args.output_len,
                 "hf_sequential_prompts": min(args.hf_sequential_prompts, len(prompts)),
                 "max_num_seqs": args.max_num_seqs, "hf_max_batch_tokens": args.hf_max_batch_tokens,
@@ -355,7 +365,7 @@ def main() -> None:
                          "prompt_lengths": [len(p) for p in prompts],
                          "prompt_source": "disjoint token slices of pydoc_data.topics",
                          "ignore_eos": True, "greedy": True},
-            "machine": machine_info() | {"threads_requested": args.threads},
+            "machine": machine_info(args.device) | {"threads_requested": args.threads},
             "git": git_commit(),
             "engines": {engine: median_runs([r["engines"][engine] for r in rounds])
                         for engine in engines},

@@ -18,7 +18,7 @@ import transformers
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def machine_info() -> dict[str, Any]:
+def machine_info(device: str = "cpu") -> dict[str, Any]:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model_names = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
                    if line.startswith("model name")]
@@ -32,7 +32,8 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": transformers.__version__,
         "torch_default_threads": torch.get_num_threads(),
-    }
+    } | ({"device": device, "gpu": torch.cuda.get_device_name(device)}
+         if device.startswith("cuda") else {})
 
 
 def git_commit() -> dict[str, Any]:

@@ -60,6 +60,8 @@ def test_eval_table_on_smollm2(smollm) -> None:
     table = report.table().splitlines()
     assert "perplexity" in table[0] and "decode tok/s" in table[0]
     assert table[2].startswith("none (reference)") and len(table) == 5
+    assert report.perplexity_text.startswith("pydoc_data.topics of Python 3.")
+    assert f", {SMALL['num_tokens']} tokens, sha256 " in report.perplexity_text
     assert report.floor_breaches(5.0) == []
 
 

@@ -162,6 +162,7 @@ def _eval(args: argparse.Namespace) -> None:
     report = run_eval(engine_config_from_args(args), parse_config(args.reference),
                       parse_configs(args.configs), options)
     print(report.table())
+    print(f"perplexity text: {report.perplexity_text}")
     if args.output_json:
         report.save(Path(args.output_json))
     if args.max_ppl_increase is not None:

@@ -22,7 +22,7 @@ from tokenmill.engine.engine import LLMEngine
 from tokenmill.eval.agreement import (PROMPTS, Continuation, greedy_agreement,
                                       reference_continuations)
 from tokenmill.eval.configs import EvalConfig
-from tokenmill.eval.perplexity import documentation_tokens, perplexity
+from tokenmill.eval.perplexity import documentation_tokens, perplexity, slice_description
 from tokenmill.eval.questions import Question, accuracy, load_questions
 from tokenmill.model.loader import LoadedModel, load_model
 
@@ -66,6 +66,7 @@ class EvalReport:
     options: EvalOptions
     reference: str
     results: list[ConfigResult]
+    perplexity_text: str = ""  # slice_description of the tokens scored
 
     def table(self) -> str:
         header = ("configuration", "model MiB", "KV B/token", "perplexity", "change",
@@ -88,6 +89,7 @@ class EvalReport:
     def to_json(self) -> dict[str, object]:
         return {"model": self.model, "reference": self.reference,
                 "options": dataclasses.asdict(self.options),
+                "perplexity_text": self.perplexity_text,
                 "results": [dataclasses.asdict(r) for r in self.results]}
 
     def save(self, path: Path) -> None:
@@ -122,7 +124,8 @@ def run_eval(base: EngineConfig, reference: EvalConfig, configs: list[EvalConfig
                                 results[0].perplexity if results else None))
         del llm
         gc.collect()
-    return EvalReport(base.model, options, reference.name, results)
+    return EvalReport(base.model, options, reference.name, results,
+                      slice_description(inputs.perplexity_tokens) if inputs else "")
 
 
 def _measure(llm: LLM, name: str, inputs: _Inputs, options: EvalOptions,

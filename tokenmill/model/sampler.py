@@ -37,7 +37,7 @@ class Sampler:
         if random_rows:
             uniforms = draw_uniforms([generators[i] or self.generator for i in random_rows])
             kernels = row_kernels(logits)
-            rows = torch.tensor(random_rows)
+            rows = torch.tensor(random_rows, device=logits.device)
             chosen_logits = logits if len(rows) == len(params) else logits[rows]
             shaping = [params[i] for i in random_rows]
             if kernels is not None:  # its passes over the logits, no probability tensor
@@ -48,8 +48,10 @@ class Sampler:
                     torch.tensor([p.top_p for p in shaping], dtype=torch.float32),
                     torch.tensor([p.min_p for p in shaping], dtype=torch.float32), uniforms)
             else:
-                if self.workspace.numel() < len(rows) * logits.shape[1]:
-                    self.workspace = torch.empty(len(rows) * logits.shape[1])
+                if self.workspace.numel() < len(rows) * logits.shape[1] \
+                        or self.workspace.device != logits.device:
+                    self.workspace = torch.empty(len(rows) * logits.shape[1],
+                                                 device=logits.device)
                 work = self.workspace[:len(rows) * logits.shape[1]].view(len(rows), -1)
                 probs = self.shaped_probs(work.copy_(chosen_logits), shaping)
                 token_ids[rows] = invert_cdf(probs, uniforms)
@@ -60,11 +62,12 @@ class Sampler:
     def shaped_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Probabilities after temperature, top-k, top-p and min-p, one row per request, worked
         out in place in `logits` (float32; the caller's to give up)."""
-        temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
         logits = logits.div_(temperature)
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
-        min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
+        min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
         row_max = logits.max(dim=-1, keepdim=True).values
         least = None  # the least logit kept, a row
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
@@ -87,7 +90,8 @@ class Sampler:
         result: list[dict[int, float] | None] = [None] * len(params)
         if not wanted:
             return result
-        rows = logits if len(wanted) == len(params) else logits[torch.tensor(wanted)]
+        rows = logits if len(wanted) == len(params) \
+            else logits[torch.tensor(wanted, device=logits.device)]
         logprobs = rows.to(torch.float32, copy=True)  # log_softmax in place: one 12 MB tensor
         logprobs.sub_(logprobs.logsumexp(dim=-1, keepdim=True))
         for r, i in enumerate(wanted):
@@ -106,9 +110,10 @@ def kept_from(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> tor
     already cover top_p. Found among each row's likeliest tokens (torch.topk), not by sorting the
     vocabulary: sorting 64 rows of 49,152 took 125 ms a step."""
     rows, vocab = logits.shape
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
-    ps = torch.tensor(top_p, dtype=logits.dtype)
-    kept = torch.full((rows, 1), float("-inf"), dtype=logits.dtype)
+    device = logits.device
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=device)
+    ps = torch.tensor(top_p, dtype=logits.dtype, device=device)
+    kept = torch.full((rows, 1), float("-inf"), dtype=logits.dtype, device=device)
     pending = ((ks < vocab) | (ps < 1.0)).nonzero().flatten()
     guess = TOP_P_WIDTH
     while len(pending):
@@ -116,7 +121,7 @@ def kept_from(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> tor
         width = int(torch.where(k < vocab, k, guess).max().clamp(max=vocab))
         chosen = logits if len(pending) == rows else logits[pending]
         values = chosen.topk(width, dim=-1).values  # each row's likeliest, in order
-        in_top_k = torch.arange(width).unsqueeze(0) < k
+        in_top_k = torch.arange(width, device=device).unsqueeze(0) < k
         # top-p's shares are of the top-k tokens alone, so top-k's normaliser, else the row's.
         normaliser = values.masked_fill(~in_top_k, float("-inf")).logsumexp(-1, True)
         whole_rows = (k >= vocab) & (p < 1.0)
@@ -179,10 +184,10 @@ def invert_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
         probs = torch.nn.functional.pad(probs, (0, blocks * CDF_BLOCK - vocab))
     probs = probs.view(rows, blocks, CDF_BLOCK)
     block_cdf = probs.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)
-    target = uniforms.unsqueeze(1) * block_cdf[:, -1:]
+    target = uniforms.to(probs.device).unsqueeze(1) * block_cdf[:, -1:]
     block = last_with_share(block_cdf, torch.searchsorted(block_cdf, target, right=True))
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
-    inner = probs[torch.arange(rows), block.squeeze(1)].double().cumsum(dim=-1)
+    inner = probs[torch.arange(rows, device=probs.device), block.squeeze(1)].double().cumsum(dim=-1)
     within = last_with_share(inner, torch.searchsorted(inner, target - before, right=True))
     return (block * CDF_BLOCK + within).squeeze(1)
 
@@ -196,7 +201,8 @@ def last_with_share(cdf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def logprob_entries(logprobs: torch.Tensor, chosen: list[int],
                     num_top: int) -> list[dict[int, float]]:
     """One dict per row of `logprobs`: the chosen token's logprob, then the `num_top` likeliest."""
-    chosen_values = logprobs.gather(1, torch.tensor(chosen).unsqueeze(1)).squeeze(1).tolist()
+    chosen_ids = torch.tensor(chosen, device=logprobs.device).unsqueeze(1)
+    chosen_values = logprobs.gather(1, chosen_ids).squeeze(1).tolist()
     entries = [{token_id: value} for token_id, value in zip(chosen, chosen_values)]
     if num_top:
         values, ids = logprobs.topk(num_top, dim=-1)

@@ -44,7 +44,8 @@ class RejectionSampler:
         random = [i for i, p in enumerate(params) if not p.greedy]
         probs: dict[int, torch.Tensor] = {}
         if random:
-            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in random])
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=logits.device)
+                              for i in random])
             shaped = Sampler.shaped_probs(logits[rows],
                                           [params[i] for i in random for _ in range(counts[i])])
             probs = dict(zip(random, shaped.split([counts[i] for i in random])))
