@@ -19,8 +19,9 @@ from tokenmill import EngineConfig, SamplingParams
 from tokenmill.cli import build_parser, engine_config_from_args
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledChunk
+from tokenmill.kernels import cpu_kernels
 from tokenmill.model.loader import DEFAULT_MODEL
-from tokenmill.model.sampler import Sampler, draw
+from tokenmill.model.sampler import Sampler, draw_uniforms
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.spec.draft import check_same_vocabulary
 from tokenmill.spec.ngram import NgramProposer
@@ -200,30 +201,34 @@ VOCAB = 8
 TV_BOUND = 0.03
 
 
-def draw_one(probs: torch.Tensor, generator: torch.Generator) -> int:
-    return int(draw(probs.unsqueeze(0), [generator]))
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    return Sampler.shaped_probs(logits.float().clone(), [params] * len(logits))
 
 
 class AcceptAlways(RejectionSampler):
     """Deliberately broken: keeps every proposal."""
 
-    @staticmethod
-    def accept_sampled(proposals, probs, generator):
-        return [*proposals, draw_one(probs[len(proposals)], generator)]
+    def accept_sampled(self, proposals, logits, params, generator):
+        last = logits[len(proposals):len(proposals) + 1]
+        return [*proposals, int(self.sampler.draw_tokens(last, [params],
+                                                         draw_uniforms([generator]))[0])]
 
 
 class ResampleFromTarget(RejectionSampler):
     """Deliberately broken: accepts with p(x) but redraws from p, not from the residual."""
 
-    @staticmethod
-    def accept_sampled(proposals, probs, generator):
+    def accept_sampled(self, proposals, logits, params, generator):
+        probs = target_probs(logits, params)
         emitted = []
-        for position, proposal in enumerate(proposals):
-            if torch.rand(1, generator=generator).item() < probs[position, proposal]:
+        for position, proposal in enumerate([*proposals, None]):
+            if proposal is not None \
+                    and torch.rand(1, generator=generator).item() < probs[position, proposal]:
                 emitted.append(proposal)
                 continue
-            return emitted + [draw_one(probs[position], generator)]
-        return emitted + [draw_one(probs[len(proposals)], generator)]
+            row = logits[position:position + 1]
+            return emitted + [int(self.sampler.draw_tokens(row, [params],
+                                                           draw_uniforms([generator]))[0])]
+        return emitted
 
 
 def emitted_distributions(sampler_class, num_samples: int = 20000):
@@ -255,6 +260,60 @@ def test_rejection_sampler_keeps_the_target_distribution():
     assert total_variation(first, want_first) < TV_BOUND
     assert total_variation(second, want_second) < TV_BOUND
     assert first[5:].sum() == 0  # outside the top 5: never emitted
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_seeded_speculation_draws_the_plain_samplers_tokens(path, monkeypatch):
+    """Position by position, the token the plain sampler draws from the same generator: right
+    proposals are all kept and the bonus follows, a wrong one ends the run with the plain
+    token. On 49,152-token rows of bf16 values (many exact ties), on either drawing path."""
+    if path == "torch":
+        monkeypatch.setattr("tokenmill.model.sampler.row_kernels", lambda logits: None)
+    elif cpu_kernels() is None:
+        pytest.skip("no C++ compiler here")
+    shapings = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
+                SamplingParams(temperature=1.2, top_k=40, min_p=0.01)]
+    rejection = RejectionSampler(Sampler(0))
+    values = torch.Generator().manual_seed(5)
+    for trial in range(100):
+        params = shapings[trial % len(shapings)]
+        logits = (torch.randn(6, 49152, generator=values) * 3).to(torch.bfloat16).float()
+        plain_generator = torch.Generator().manual_seed(trial)
+        plain = [rejection.sampler(logits[p:p + 1], [params], [plain_generator]).token_ids[0]
+                 for p in range(len(logits))]
+        kept = rejection.accept_sampled(plain[:-1], logits, params,
+                                        torch.Generator().manual_seed(trial))
+        assert kept == plain, trial
+        wrong = trial % 5
+        proposals = plain[:-1].copy()
+        proposals[wrong] = (plain[wrong] + 1) % 49152
+        cut = rejection.accept_sampled(proposals, logits, params,
+                                       torch.Generator().manual_seed(trial))
+        assert cut == plain[:wrong + 1], trial
+
+
+def test_seeded_speculation_agrees_with_plain_sampling_on_the_boundaries(monkeypatch):
+    """Uniform numbers exactly on the boundaries between likely tokens, where two ways of
+    inverting the distribution round apart (the kernel and shaped_probs + invert_cdf parted on
+    about half of them): the rejection sampler still draws the plain sampler's token."""
+    uniforms: list[float] = []
+
+    def next_uniforms(generators):
+        return torch.tensor([uniforms.pop(0) for _ in generators], dtype=torch.float64)
+
+    monkeypatch.setattr("tokenmill.model.sampler.draw_uniforms", next_uniforms)
+    monkeypatch.setattr("tokenmill.spec.rejection.draw_uniforms", next_uniforms)
+    params = SamplingParams(temperature=1.0)
+    rejection = RejectionSampler(Sampler(0))
+    values = torch.Generator().manual_seed(5)
+    for _ in range(40):
+        logits = (torch.randn(1, 49152, generator=values) * 3).to(torch.bfloat16).float()
+        probs = target_probs(logits, params)[0].double()
+        cdf = probs.cumsum(0) / probs.sum()
+        for token in probs.topk(5).indices.tolist():
+            uniforms[:] = [cdf[token].item()] * 2
+            plain = rejection.sampler(logits, [params], [None]).token_ids
+            assert rejection.accept_sampled([], logits, params, None) == plain
 
 
 @pytest.mark.parametrize("broken", [AcceptAlways, ResampleFromTarget])

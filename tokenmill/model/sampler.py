@@ -36,27 +36,31 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             uniforms = draw_uniforms([generators[i] or self.generator for i in random_rows])
-            kernels = row_kernels(logits)
             rows = torch.tensor(random_rows, device=logits.device)
             chosen_logits = logits if len(rows) == len(params) else logits[rows]
-            shaping = [params[i] for i in random_rows]
-            if kernels is not None:  # its passes over the logits, no probability tensor
-                token_ids[rows] = kernels.sample_rows(
-                    chosen_logits,
-                    torch.tensor([p.temperature for p in shaping], dtype=torch.float32),
-                    torch.tensor([max(p.top_k, 0) for p in shaping], dtype=torch.long),
-                    torch.tensor([p.top_p for p in shaping], dtype=torch.float32),
-                    torch.tensor([p.min_p for p in shaping], dtype=torch.float32), uniforms)
-            else:
-                if self.workspace.numel() < len(rows) * logits.shape[1] \
-                        or self.workspace.device != logits.device:
-                    self.workspace = torch.empty(len(rows) * logits.shape[1],
-                                                 device=logits.device)
-                work = self.workspace[:len(rows) * logits.shape[1]].view(len(rows), -1)
-                probs = self.shaped_probs(work.copy_(chosen_logits), shaping)
-                token_ids[rows] = invert_cdf(probs, uniforms)
+            token_ids[rows] = self.draw_tokens(chosen_logits, [params[i] for i in random_rows],
+                                               uniforms)
         chosen = token_ids.tolist()
         return SamplerOutput(chosen, self._logprobs(logits, params, chosen))
+
+    def draw_tokens(self, logits: torch.Tensor, params: list[SamplingParams],
+                    uniforms: torch.Tensor) -> torch.Tensor:
+        """Row r's token where uniforms[r] falls in its distribution after params[r]'s shaping:
+        by the C++ kernel where it takes the rows, else shaped_probs + invert_cdf. The two round
+        the shares differently in the last bits, so the plain and the rejection sampler both
+        draw here: a seeded request then emits the same tokens with or without speculation."""
+        kernels = row_kernels(logits)
+        if kernels is not None:  # its passes over the logits, no probability tensor
+            return kernels.sample_rows(
+                logits, torch.tensor([p.temperature for p in params], dtype=torch.float32),
+                torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long),
+                torch.tensor([p.top_p for p in params], dtype=torch.float32),
+                torch.tensor([p.min_p for p in params], dtype=torch.float32), uniforms)
+        size = logits.numel()
+        if self.workspace.numel() < size or self.workspace.device != logits.device:
+            self.workspace = torch.empty(size, device=logits.device)
+        work = self.workspace[:size].view(logits.shape)
+        return invert_cdf(self.shaped_probs(work.copy_(logits), params), uniforms)
 
     @staticmethod
     def shaped_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

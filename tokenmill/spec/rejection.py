@@ -6,13 +6,12 @@ Chen et al. 2023) then accepts x with probability min(1, p(x) / q(x)) = p(x), wh
 target's distribution after temperature, top-k, top-p and min-p, and on a rejection draws from
 the normalised residual max(p - q, 0), which is p conditioned on "not x"; after K acceptances a
 bonus token comes from the last row. We realise exactly that by drawing the target's token at
-each position the way the plain sampler does (sampler.draw: one uniform number per position
-from the request's generator) and accepting x when the draw equals it: P(accept) = p(x), and a
-rejection's draw is distributed as p given "not x". Since one number is consumed per emitted
-token, a seeded request emits the tokens it would without speculation, but where a number lands
-within rounding of a boundary: on the CPU the plain sampler draws in kernels/sampling.cpp, whose
-shares differ from shaped_probs' in the last bits (docs/speculative.md). Greedy
-requests accept the longest prefix equal to the target's argmax, then take the argmax after it.
+each position the way the plain sampler does (Sampler.draw_tokens: one uniform number per
+position from the request's generator) and accepting x when the draw equals it: P(accept) = p(x),
+and a rejection's draw is distributed as p given "not x". Since one number is consumed per emitted
+token, and both samplers turn it into a token by the same code, a seeded request emits the very
+tokens it would without speculation. Greedy requests accept the longest prefix equal to the
+target's argmax, then take the argmax after it.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from itertools import accumulate
 import torch
 
 from tokenmill.engine.scheduler import ScheduledChunk
-from tokenmill.model.sampler import Sampler, draw, logprob_entries
+from tokenmill.model.sampler import Sampler, draw_uniforms, logprob_entries
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -41,36 +40,31 @@ class RejectionSampler:
         starts = [0, *accumulate(counts)]
         params = [c.request.sampling_params for c in chunks]
         greedy_ids = logits.argmax(dim=-1).tolist()
-        random = [i for i, p in enumerate(params) if not p.greedy]
-        probs: dict[int, torch.Tensor] = {}
-        if random:
-            rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=logits.device)
-                              for i in random])
-            shaped = Sampler.shaped_probs(logits[rows],
-                                          [params[i] for i in random for _ in range(counts[i])])
-            probs = dict(zip(random, shaped.split([counts[i] for i in random])))
         token_ids, logprobs = [], []
         for i, chunk in enumerate(chunks):
             request = chunk.request
             proposals = request.spec_token_ids[:chunk.num_spec_tokens]
-            if i in probs:
-                emitted = self.accept_sampled(proposals, probs[i],
-                                              request.generator or self.sampler.generator)
-            else:
+            if params[i].greedy:
                 emitted = accept_greedy(proposals, greedy_ids[starts[i]:starts[i + 1]])
+            else:
+                emitted = self.accept_sampled(proposals, logits[starts[i]:starts[i + 1]],
+                                              params[i],
+                                              request.generator or self.sampler.generator)
             token_ids.append(emitted)
             logprobs.append(_logprobs(logits[starts[i]:starts[i] + len(emitted)], emitted,
                                       params[i]))
         return token_ids, logprobs
 
-    @staticmethod
-    def accept_sampled(proposals: list[int], probs: torch.Tensor,
+    def accept_sampled(self, proposals: list[int], logits: torch.Tensor, params: SamplingParams,
                        generator: torch.Generator) -> list[int]:
-        """Rejection sampling of deterministic proposals against `probs`, [K + 1, vocab]: each
-        position's target token is drawn, and the proposal survives when the draw equals it."""
+        """Rejection sampling of deterministic proposals against the target's `logits`,
+        [K + 1, vocab]: each position's target token is drawn as the plain sampler draws it,
+        and the proposal survives when the draw equals it."""
         emitted: list[int] = []
         for position, proposal in enumerate([*proposals, None]):  # None: the bonus position
-            emitted.append(int(draw(probs[position:position + 1], [generator])))
+            token = self.sampler.draw_tokens(logits[position:position + 1], [params],
+                                             draw_uniforms([generator]))
+            emitted.append(int(token[0]))
             if emitted[-1] != proposal:
                 break
         return emitted
