@@ -29,11 +29,12 @@ from common import REPO_ROOT, save_report  # noqa: E402
 
 
 def profile_batch(engine: LLMEngine, batch_size: int, prompt_len: int, steps: int,
-                  top: int, temperature: float, top_p: float = 1.0, top_k: int = 0) -> dict:
+                  top: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                  logprobs: int | None = None) -> dict:
     text = "\n\n".join(topics[key] for key in sorted(topics))
     token_ids = engine.tokenize(text)
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=temperature,
-                            top_p=top_p, top_k=top_k, seed=0)
+                            top_p=top_p, top_k=top_k, seed=0, logprobs=logprobs)
     for i in range(batch_size):
         engine.add_request(f"p{batch_size}-{i}", token_ids[i * prompt_len:(i + 1) * prompt_len],
                            params)
@@ -96,6 +97,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--logprobs", type=int, default=None,
+                        help="top logprobs a token (0: the chosen token's alone)")
     parser.add_argument("--output-json", type=Path,
                         default=REPO_ROOT / "benchmarks/results/profile_decode.json")
     args = parser.parse_args()
@@ -105,7 +108,7 @@ def main() -> None:
     results = []
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
         result = profile_batch(engine, batch_size, args.prompt_len, args.steps, args.top,
-                               args.temperature, args.top_p, args.top_k)
+                               args.temperature, args.top_p, args.top_k, args.logprobs)
         results.append(result)
         print(f"\nbatch {batch_size}: {result['step_ms']:.1f} ms a step "
               f"(model {result['forward_ms']:.1f}, lm_head {result['lm_head_ms']:.1f}, the rest "
@@ -119,7 +122,7 @@ def main() -> None:
     save_report(args.output_json, "profile_decode", model=args.model,
                 dtype=str(engine.runner.dtype), quantization=args.quantization,
                 quant_group_size=args.quant_group_size, temperature=args.temperature,
-                top_p=args.top_p, top_k=args.top_k,
+                top_p=args.top_p, top_k=args.top_k, logprobs=args.logprobs,
                 torch_threads=torch.get_num_threads(), results=results)
 
 

@@ -8,7 +8,7 @@ import torch
 
 from tests.distributions import total_variation
 from tokenmill.kernels import cpu_kernels
-from tokenmill.model.sampler import Sampler, draw, invert_cdf, kept_from
+from tokenmill.model.sampler import Sampler, draw, invert_cdf, kept_from, logprob_entries
 from tokenmill.sampling_params import SamplingParams
 
 VOCAB = 12
@@ -147,3 +147,27 @@ def test_the_kernel_inverts_the_same_distribution_as_the_torch_path(dtype):
                                torch.ones(2), torch.zeros(2),
                                torch.tensor([0.0, 1.0], dtype=torch.float64))
     assert ends.tolist() == [0, 699]  # every token has a share at a temperature alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_logprobs_kernel_gives_log_softmax_and_its_top_tokens(dtype, monkeypatch):
+    """kernels/sampling.cpp's logprob_rows against log_softmax + topk: the same logprobs within
+    float32 rounding of the log-sum-exp, the same top tokens; on ties (bf16 logits have many)
+    the lower id, as a stable sort of the values gives them."""
+    if cpu_kernels() is None:
+        pytest.skip("no C++ compiler here")
+    generator = torch.Generator().manual_seed(4)
+    logits = (torch.randn(40, 3001, generator=generator) * 4).to(dtype)
+    logits[3, :] = 0.0  # every token tied
+    chosen = torch.randint(0, 3001, (40,), generator=generator).tolist()
+    num_tops = [i % 7 for i in range(40)]
+    got = logprob_entries(logits, chosen, num_tops)
+    monkeypatch.setattr("tokenmill.model.sampler.row_kernels", lambda logits: None)
+    reference = logprob_entries(logits, chosen, [0] * 40)
+    logprobs = logits.float().log_softmax(-1)
+    for row, entry in enumerate(got):
+        ranked = sorted(range(3001), key=lambda t: (-logprobs[row, t].item(), t))
+        assert list(entry) == list(dict.fromkeys([chosen[row], *ranked[:num_tops[row]]]))
+        for token, value in entry.items():
+            assert abs(value - logprobs[row, token].item()) < 1e-5
+        assert abs(entry[chosen[row]] - reference[row][chosen[row]]) < 1e-5

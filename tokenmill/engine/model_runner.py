@@ -179,8 +179,9 @@ class ModelRunner:
         entries: list[dict[int, float]] = []
         for offset in range(0, count, PROMPT_LOGPROB_ROWS):
             rows = hidden[first_row + offset:first_row + min(count, offset + PROMPT_LOGPROB_ROWS)]
-            logprobs = self.model.compute_logits(rows).log_softmax(dim=-1)
-            entries += logprob_entries(logprobs, targets[offset:offset + len(rows)], num_top)
+            row_targets = targets[offset:offset + len(rows)]
+            entries += logprob_entries(self.model.compute_logits(rows), row_targets,
+                                       [num_top] * len(rows))
         return PromptLogprobs(request, start + 1, entries)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:

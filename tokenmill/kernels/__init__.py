@@ -26,7 +26,8 @@ SOURCES = ("gil.cpp", "prefetch.cpp", "linear_amx.cpp", "paged_attention.cpp", "
 FUNCTIONS = ["paged_decode_attention", "paged_prefill_attention", "rms_norm", "rotary_", "silu_mul_",
              "write_kv_cache", "linear_bf16", "linear_bf16_available", "linear_int8", "linear_int4", "linear_int4_exact",
              "dequantize_int4", "dequantize_int4_unrotated", "dequantize_int8", "hadamard_rotate", "create_decode_plan",
-             "release_decode_plan", "decode_layers", "argmax_rows", "sample_rows"]
+             "release_decode_plan", "decode_layers", "argmax_rows", "sample_rows",
+             "logprob_rows"]
 # -fopenmp, or at::parallel_for runs on one thread; no FMA contraction: fused_ops.cpp rounds
 # exactly as eager PyTorch does.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]

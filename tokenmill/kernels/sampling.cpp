@@ -1,4 +1,4 @@
-// The sampler's passes over the logits.
+// The sampler's passes over the logits: greedy, sampling and logprobs.
 //
 // Greedy: each row's largest value's index (the first, on ties), as torch.argmax gives it.
 // torch's CPU argmax took 2 ms on 64 x 49,152 float32 logits on the AMX machine, and 5 ms on the
@@ -10,8 +10,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -171,6 +174,61 @@ int64_t sample_row(const T* row, int64_t n, float temperature, int64_t top_k, fl
   return last;
 }
 
+// Logprobs: each row's log-sum-exp (its max, then the shares exp(l - max) summed in float64),
+// the chosen token's l - lse, and the row's num_top largest values (the lower index first on
+// ties), found in one pass that compares 16 values at a time with the num_top-th so far. The torch
+// path (a float32 copy, logsumexp, a subtraction over the row, then topk row by row) took 17 ms a
+// step for 64 rows of 49,152 with the chosen token alone, 34 ms with the top one.
+template <typename T>
+float row_log_sum_exp(const T* row, int64_t n, float peak) {
+  double sum = 0.0;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 top = _mm512_set1_ps(peak);
+  __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(load16(row + i), top));
+    low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+    high = _mm512_add_pd(high, _mm512_cvtps_pd(_mm256_castpd_ps(
+                                   _mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+  }
+  sum = _mm512_reduce_add_pd(_mm512_add_pd(low, high));
+#endif
+  for (; i < n; ++i) sum += std::exp(static_cast<double>(static_cast<float>(row[i]) - peak));
+  return static_cast<float>(static_cast<double>(peak) + std::log(sum));
+}
+
+using Ranked = std::vector<std::pair<float, int64_t>>;  // (value, index), largest first
+
+template <typename T>
+void row_top(const T* row, int64_t n, int64_t num_top, Ranked& top) {
+  top.clear();
+  if (num_top == 0) return;
+  float threshold = -INFINITY;  // the num_top-th largest so far, once there are num_top
+  const auto offer = [&](int64_t i) {
+    const float v = static_cast<float>(row[i]);
+    if (static_cast<int64_t>(top.size()) == num_top) {
+      if (!(v > threshold)) return;
+      top.pop_back();
+    } else if (v != v) {
+      return;  // NaN
+    }
+    // After every value >= v: scanning in index order, a tie keeps the lower index first.
+    top.insert(std::upper_bound(top.begin(), top.end(), v,
+                                [](float value, const auto& entry) { return value > entry.first; }),
+               {v, i});
+    if (static_cast<int64_t>(top.size()) == num_top) threshold = top.back().first;
+  };
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    __mmask16 above = _mm512_cmp_ps_mask(load16(row + i), _mm512_set1_ps(threshold), _CMP_GT_OQ);
+    for (; above; above &= above - 1) offer(i + __builtin_ctz(above));
+  }
+#endif
+  for (; i < n; ++i) offer(i);
+}
+
 void check_logits(const torch::Tensor& logits, const char* name) {
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0 &&
                   logits.size(1) < (int64_t{1} << 31) &&
@@ -244,4 +302,43 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperatures, torc
     return sample_row(row, n, temps[r], ks[r], ps[r], mins[r], us[r], scratch.values,
                       scratch.block_sums);
   });
+}
+
+// logits as argmax_rows takes them, chosen [rows] int64 (a token of each row), num_top >= 0 ->
+// values [rows, 1 + num_top] float32 (the chosen token's logprob, then the num_top largest
+// logprobs, largest first) and their tokens, ids [rows, num_top] int64.
+std::tuple<torch::Tensor, torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor chosen,
+                                                      int64_t num_top) {
+  check_logits(logits, "logprob_rows");
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  TORCH_CHECK(chosen.scalar_type() == torch::kLong && chosen.numel() == rows && 0 <= num_top &&
+                  num_top <= n,
+              "logprob_rows: chosen [rows] int64, 0 <= num_top <= n");
+  chosen = chosen.contiguous();
+  const int64_t* tokens = chosen.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(0 <= tokens[r] && tokens[r] < n, "logprob_rows: chosen token out of range");
+  auto values = torch::empty({rows, 1 + num_top}, logits.options().dtype(torch::kFloat));
+  auto ids = torch::empty({rows, num_top}, logits.options().dtype(torch::kLong));
+  float* value_out = values.data_ptr<float>();
+  int64_t* id_out = ids.data_ptr<int64_t>();
+  const auto each_row = [&](const auto* data) {
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      Ranked top;
+      for (int64_t r = begin; r < end; ++r) {
+        const auto* row = data + r * stride;
+        const float lse = row_log_sum_exp(row, n, static_cast<float>(row[row_argmax(row, n)]));
+        float* out = value_out + r * (1 + num_top);
+        out[0] = static_cast<float>(row[tokens[r]]) - lse;
+        row_top(row, n, num_top, top);
+        for (int64_t j = 0; j < num_top; ++j) {
+          out[1 + j] = top[j].first - lse;
+          id_out[r * num_top + j] = top[j].second;
+        }
+      }
+    });
+  };
+  if (logits.scalar_type() == torch::kFloat) each_row(logits.data_ptr<float>());
+  else each_row(logits.data_ptr<c10::BFloat16>());
+  return {values, ids};
 }

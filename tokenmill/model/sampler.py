@@ -96,10 +96,10 @@ class Sampler:
             return result
         rows = logits if len(wanted) == len(params) \
             else logits[torch.tensor(wanted, device=logits.device)]
-        logprobs = rows.to(torch.float32, copy=True)  # log_softmax in place: one 12 MB tensor
-        logprobs.sub_(logprobs.logsumexp(dim=-1, keepdim=True))
-        for r, i in enumerate(wanted):
-            result[i] = logprob_entries(logprobs[r:r + 1], [chosen[i]], params[i].logprobs)[0]
+        entries = logprob_entries(rows, [chosen[i] for i in wanted],
+                                  [params[i].logprobs for i in wanted])
+        for i, entry in zip(wanted, entries):
+            result[i] = entry
         return result
 
 
@@ -202,15 +202,29 @@ def last_with_share(cdf: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.minimum(index, torch.searchsorted(cdf, cdf[:, -1:].contiguous()))
 
 
-def logprob_entries(logprobs: torch.Tensor, chosen: list[int],
-                    num_top: int) -> list[dict[int, float]]:
-    """One dict per row of `logprobs`: the chosen token's logprob, then the `num_top` likeliest."""
-    chosen_ids = torch.tensor(chosen, device=logprobs.device).unsqueeze(1)
-    chosen_values = logprobs.gather(1, chosen_ids).squeeze(1).tolist()
-    entries = [{token_id: value} for token_id, value in zip(chosen, chosen_values)]
-    if num_top:
-        values, ids = logprobs.topk(num_top, dim=-1)
-        for entry, row_ids, row_values in zip(entries, ids.tolist(), values.tolist()):
-            for token_id, value in zip(row_ids, row_values):
-                entry.setdefault(token_id, value)
+def logprob_entries(logits: torch.Tensor, chosen: list[int],
+                    num_tops: list[int]) -> list[dict[int, float]]:
+    """One dict per row of `logits` [rows, vocab]: the chosen token's logprob, then the
+    num_tops[row] likeliest tokens'. By the C++ kernel where it takes the rows
+    (kernels/sampling.cpp: a pass for the log-sum-exp, one for the top tokens, the lower id kept
+    on ties), else log_softmax and topk."""
+    num_top = max(num_tops, default=0)
+    kernels = row_kernels(logits)
+    if kernels is not None:
+        values, ids = kernels.logprob_rows(logits, torch.tensor(chosen), num_top)
+        chosen_values, top_values = values[:, 0].tolist(), values[:, 1:].tolist()
+        top_ids = ids.tolist()
+    else:
+        logprobs = logits.float().log_softmax(dim=-1)
+        chosen_ids = torch.tensor(chosen, device=logprobs.device).unsqueeze(1)
+        chosen_values = logprobs.gather(1, chosen_ids).squeeze(1).tolist()
+        top = logprobs.topk(num_top, dim=-1)
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    entries = []
+    for token_id, value, n, row_ids, row_values in zip(chosen, chosen_values, num_tops, top_ids,
+                                                        top_values):
+        entry = {token_id: value}
+        for top_id, top_value in zip(row_ids[:n], row_values[:n]):
+            entry.setdefault(top_id, top_value)
+        entries.append(entry)
     return entries

@@ -82,4 +82,4 @@ def _logprobs(logits: torch.Tensor, emitted: list[int],
               params: SamplingParams) -> list[dict[int, float] | None]:
     if params.logprobs is None:
         return [None] * len(emitted)
-    return logprob_entries(logits.log_softmax(dim=-1), emitted, params.logprobs)
+    return logprob_entries(logits, emitted, [params.logprobs] * len(emitted))
