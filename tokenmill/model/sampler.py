@@ -218,8 +218,10 @@ def logprob_entries(logits: torch.Tensor, chosen: list[int],
         logprobs = logits.float().log_softmax(dim=-1)
         chosen_ids = torch.tensor(chosen, device=logprobs.device).unsqueeze(1)
         chosen_values = logprobs.gather(1, chosen_ids).squeeze(1).tolist()
-        top = logprobs.topk(num_top, dim=-1)
-        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+        top_values, top_ids = [[]] * len(chosen), [[]] * len(chosen)
+        if num_top:
+            top = logprobs.topk(num_top, dim=-1)
+            top_values, top_ids = top.values.tolist(), top.indices.tolist()
     entries = []
     for token_id, value, n, row_ids, row_values in zip(chosen, chosen_values, num_tops, top_ids,
                                                         top_values):
