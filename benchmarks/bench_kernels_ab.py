@@ -12,7 +12,8 @@ instead runs bf16 decode attention over 30 layers' own KV caches (SmolLM2's head
 `--rows` sequences of 84 to 364 cached tokens (the prompts of bench_engine.py plus half their
 output; `--context N`: N each), so the cache comes from memory as in a decode step; `prefill`
 runs the bf16 prefill attention of a 2,048-token step, sequences of `--rows` tokens each
-attended from position 0. The builds take turns going first; the figure is the median pass, in
+attended from position 0; `attention-int8` and `prefill-int8` the same over int8 caches
+(`--kv-cache-dtype int8`'s rows). The builds take turns going first; the figure is the median pass, in
 ms. The other commit's kernels are built from its `tokenmill/kernels` sources, with this
 checkout's flags.
 
@@ -38,6 +39,7 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 from tokenmill.kernels import CFLAGS, FUNCTIONS, SOURCES, cpu_kernels
+from tokenmill.model.kv_int8 import quantize_rows
 from tokenmill.quant.int4 import Int4Linear
 from tokenmill.quant.int8 import Int8Linear
 from tokenmill.quant.linear import QuantizedLinear
@@ -97,9 +99,16 @@ def width(layer: QuantizedLinear | torch.Tensor) -> int:
     return layer.shape[1] if isinstance(layer, torch.Tensor) else layer.in_features
 
 
-def attention_pass(batch: int, context: int | None = None) -> Callable[[ModuleType], None]:
-    """One decode step's attention: 30 layers, each over its own bf16 KV cache; `context`
-    cached tokens a sequence, else 84 to 364."""
+def kv_cache(shape: tuple[int, ...], int8: bool) -> torch.Tensor:
+    """Random K or V rows in bf16, or as an int8 cache holds them (codes and a scale a row)."""
+    values = torch.randn(shape)
+    return quantize_rows(values) if int8 else values.bfloat16()
+
+
+def attention_pass(batch: int, context: int | None = None,
+                   int8: bool = False) -> Callable[[ModuleType], None]:
+    """One decode step's attention: 30 layers, each over its own bf16 (or int8) KV cache;
+    `context` cached tokens a sequence, else 84 to 364."""
     lengths = torch.randint(84, 365, (batch,)) if context is None \
         else torch.full((batch,), context)
     blocks = (lengths + BLOCK - 1) // BLOCK
@@ -107,8 +116,7 @@ def attention_pass(batch: int, context: int | None = None) -> Callable[[ModuleTy
     for b, start in enumerate((blocks.cumsum(0) - blocks).tolist()):
         tables[b, :blocks[b]] = torch.arange(start, start + int(blocks[b]))
     shape = (int(blocks.sum()), BLOCK, KV_HEADS, HEAD_DIM)
-    caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16())
-              for _ in range(LAYERS)]
+    caches = [(kv_cache(shape, int8), kv_cache(shape, int8)) for _ in range(LAYERS)]
     q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
     out = torch.empty_like(q)
     return lambda kernels: [kernels.paged_decode_attention(q, k, v, tables, lengths,
@@ -116,15 +124,14 @@ def attention_pass(batch: int, context: int | None = None) -> Callable[[ModuleTy
                             for k, v in caches]
 
 
-def prefill_pass(length: int) -> Callable[[ModuleType], None]:
+def prefill_pass(length: int, int8: bool = False) -> Callable[[ModuleType], None]:
     """A 2,048-token prefill step's attention: 2048 // length sequences of `length` tokens, each
-    one chunk from position 0, over 30 layers' own bf16 KV caches (the chunk's K and V in
-    place, as the step writes them before attending)."""
+    one chunk from position 0, over 30 layers' own bf16 (or int8) KV caches (the chunk's K and
+    V in place, as the step writes them before attending)."""
     sequences = 2048 // length
     blocks = (length + BLOCK - 1) // BLOCK
     shape = (sequences * blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16())
-              for _ in range(LAYERS)]
+    caches = [(kv_cache(shape, int8), kv_cache(shape, int8)) for _ in range(LAYERS)]
     tables = torch.arange(sequences * blocks).view(sequences, blocks)
     positions = torch.arange(1, length + 1)
     q = torch.randn(length, HEADS, HEAD_DIM).bfloat16()
@@ -166,8 +173,10 @@ def main() -> None:
     results = []
     for quantization in args.formats.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
-            run = attention_pass(rows, args.context) if quantization == "attention" \
-                else prefill_pass(rows) if quantization == "prefill" \
+            int8_cache = quantization.endswith("-int8")  # attention-int8, prefill-int8
+            run = attention_pass(rows, args.context, int8_cache) \
+                if quantization.startswith("attention") \
+                else prefill_pass(rows, int8_cache) if quantization.startswith("prefill") \
                 else products_pass(quantization, rows)
             passes: dict[str, list[float]] = {name: [] for name in builds}
             for index in range(args.passes + 1):  # the first pass warms up

@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="none", help="none, int8, int4 or gguf")
     parser.add_argument("--quant-group-size", type=int, default=128)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto or int8")
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--prompt-len", type=int, default=160)
     parser.add_argument("--steps", type=int, default=10)
@@ -104,7 +105,8 @@ def main() -> None:
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype,
                                     quantization=args.quantization,
-                                    quant_group_size=args.quant_group_size))
+                                    quant_group_size=args.quant_group_size,
+                                    kv_cache_dtype=args.kv_cache_dtype))
     results = []
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
         result = profile_batch(engine, batch_size, args.prompt_len, args.steps, args.top,
@@ -121,7 +123,8 @@ def main() -> None:
                   f"{row['self_ms_per_step']:>9.2f}{row['share']:>8.1%}")
     save_report(args.output_json, "profile_decode", model=args.model,
                 dtype=str(engine.runner.dtype), quantization=args.quantization,
-                quant_group_size=args.quant_group_size, temperature=args.temperature,
+                quant_group_size=args.quant_group_size, kv_cache_dtype=args.kv_cache_dtype,
+                temperature=args.temperature,
                 top_p=args.top_p, top_k=args.top_k, logprobs=args.logprobs,
                 torch_threads=torch.get_num_threads(), results=results)
 

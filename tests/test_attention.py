@@ -17,28 +17,28 @@ def dense_attention(q, k, v, causal_offset):
     """q [Tq, H, D] at positions causal_offset.., k/v [Tk, Hkv, D]; the plain definition."""
     k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
     v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / DIM ** 0.5
+    scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
     q_pos = torch.arange(q.shape[0]).unsqueeze(1) + causal_offset
     scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > q_pos, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def scattered_cache(seqs, dtype, num_blocks=64, int8=False):
+def scattered_cache(seqs, dtype, num_blocks=64, int8=False, block=BLOCK):
     """Write each sequence's K/V into shuffled blocks; return caches and block tables.
 
     int8: the cache holds kv_int8 rows (codes and a scale) instead of `dtype` values."""
     if int8:
         seqs = [(quantize_rows(k), quantize_rows(v)) for k, v in seqs]
-    k_cache = torch.zeros(num_blocks, BLOCK, KV_HEADS, DIM + SCALE_BYTES * int8,
-                          dtype=torch.int8 if int8 else dtype)
+    dim = seqs[0][0].shape[-1]
+    k_cache = torch.zeros(num_blocks, block, KV_HEADS, dim, dtype=torch.int8 if int8 else dtype)
     v_cache = torch.zeros_like(k_cache)
     free = torch.randperm(num_blocks).tolist()
     tables = []
     for k, v in seqs:
-        table = [free.pop() for _ in range(-(-k.shape[0] // BLOCK))]
+        table = [free.pop() for _ in range(-(-k.shape[0] // block))]
         for t in range(k.shape[0]):
-            k_cache[table[t // BLOCK], t % BLOCK] = k[t]
-            v_cache[table[t // BLOCK], t % BLOCK] = v[t]
+            k_cache[table[t // block], t % block] = k[t]
+            v_cache[table[t // block], t % block] = v[t]
         tables.append(table)
     return k_cache, v_cache, tables
 
@@ -127,31 +127,38 @@ def test_int8_rows_round_trip_within_half_a_step():
                                        torch.bfloat16), torch.zeros(2, DIM, dtype=torch.bfloat16))
 
 
-def int8_decode_case(dtype):
+# (head_dim, block): the kernel's row-by-row path, and its 16-row runs (head_dim a multiple of
+# 64, blocks of 16), with a sequence long enough to attend in parts.
+INT8_SHAPES = [(DIM, BLOCK, [1, 5, 17, 32]), (64, 16, [1, 16, 37, 600])]
+
+
+def int8_decode_case(dtype, dim=DIM, block=BLOCK, lens=(1, 5, 17, 32)):
     torch.manual_seed(4)
-    lens = [1, 5, 17, 32]
-    seqs = [(torch.randn(n, KV_HEADS, DIM).to(dtype), torch.randn(n, KV_HEADS, DIM).to(dtype))
+    lens = list(lens)
+    seqs = [(torch.randn(n, KV_HEADS, dim).to(dtype), torch.randn(n, KV_HEADS, dim).to(dtype))
             for n in lens]
-    k_cache, v_cache, tables = scattered_cache(seqs, dtype, int8=True)
+    num_blocks = sum(-(-n // block) for n in lens) + 4
+    k_cache, v_cache, tables = scattered_cache(seqs, dtype, num_blocks, int8=True, block=block)
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    q = torch.randn(len(lens), HEADS, DIM).to(dtype)
+    q = torch.randn(len(lens), HEADS, dim).to(dtype)
     return lens, seqs, k_cache, v_cache, block_tables, q
 
 
 @pytest.mark.parametrize("use_kernel", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_decode_matches_dense_reference(use_kernel, dtype):
+@pytest.mark.parametrize("dim,block,lens", INT8_SHAPES)
+def test_int8_decode_matches_dense_reference(use_kernel, dtype, dim, block, lens):
     """Against dense attention over the de-quantized K/V (tight: the same numbers) and over the
     original K/V (loose: what int8 costs)."""
     if use_kernel and cpu_kernels() is None:
         pytest.skip("no C++ compiler here")
-    lens, seqs, k_cache, v_cache, block_tables, q = int8_decode_case(dtype)
+    lens, seqs, k_cache, v_cache, block_tables, q = int8_decode_case(dtype, dim, block, lens)
     seq_lens = torch.tensor(lens)
-    mask = None if use_kernel else padding_mask(seq_lens, block_tables.shape[1] * BLOCK, dtype)
+    mask = None if use_kernel else padding_mask(seq_lens, block_tables.shape[1] * block, dtype)
     meta = AttentionMetadata(torch.empty(0, dtype=torch.long), [], 0, block_tables, seq_lens, mask)
     out = torch.empty_like(q)
-    PagedAttention(HEADS, KV_HEADS, DIM)._decode(q, k_cache, v_cache, meta, out)
+    PagedAttention(HEADS, KV_HEADS, dim)._decode(q, k_cache, v_cache, meta, out)
     out = out.float()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (k, v) in enumerate(seqs):
@@ -163,13 +170,14 @@ def test_int8_decode_matches_dense_reference(use_kernel, dtype):
         torch.testing.assert_close(out[i:i + 1], unquantized, atol=5e-2, rtol=5e-2)
 
 
-def test_int8_decode_kernel_matches_fallback():
+@pytest.mark.parametrize("dim,block,lens", INT8_SHAPES)
+def test_int8_decode_kernel_matches_fallback(dim, block, lens):
     if cpu_kernels() is None:
         pytest.skip("no C++ compiler here")
-    lens, _, k_cache, v_cache, block_tables, q = int8_decode_case(torch.float32)
+    lens, _, k_cache, v_cache, block_tables, q = int8_decode_case(torch.float32, dim, block, lens)
     seq_lens = torch.tensor(lens)
-    kernel, fallback = kernel_and_fallback(PagedAttention(HEADS, KV_HEADS, DIM), q, k_cache,
-                                           v_cache, block_tables, seq_lens, BLOCK)
+    kernel, fallback = kernel_and_fallback(PagedAttention(HEADS, KV_HEADS, dim), q, k_cache,
+                                           v_cache, block_tables, seq_lens, block)
     torch.testing.assert_close(kernel, fallback, atol=1e-6, rtol=1e-6)
 
 

@@ -171,7 +171,7 @@ void accumulate_rows(const float* weights, const T* rows, int64_t stride, int64_
 }
 
 #if defined(__AVX512F__)
-// Sixteen rows at a time for float and bfloat16 caches: one horizontal sum (a transpose-add of 16
+// Sixteen rows at a time for float, bfloat16 and int8 caches: one horizontal sum (a transpose-add of 16
 // registers) for 16 dot products instead of one each, and the weighted sum in registers.
 constexpr int64_t kRun = 16;
 
@@ -179,6 +179,23 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// 16 values of a cached row from dimension c as float32: an int8 row's codes times its scale
+// (stored after its head_dim codes), one rounding each, load_row's values; a float row's as they
+// are.
+template <typename T>
+inline __m512 row16(const T* row, int64_t c, int64_t head_dim) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    float scale;
+    std::memcpy(&scale, row + head_dim, sizeof scale);
+    return _mm512_mul_ps(load16(row + c), _mm512_set1_ps(scale));
+  } else {
+    return load16(row + c);
+  }
 }
 
 // out[i] = the sum of v[i]'s 16 lanes.
@@ -208,7 +225,8 @@ void score_run(const float* query, const T* rows, int64_t stride, int64_t count,
   for (int64_t c = 0; c < head_dim; c += 16) {
     const __m512 q = _mm512_loadu_ps(query + c);
 #pragma GCC unroll 16
-    for (int i = 0; i < kRun; ++i) sums[i] = _mm512_fmadd_ps(q, load16(rows + i * stride + c), sums[i]);
+    for (int i = 0; i < kRun; ++i)
+      sums[i] = _mm512_fmadd_ps(q, row16(rows + i * stride, c, head_dim), sums[i]);
   }
   _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << count) - 1),
                         _mm512_mul_ps(sum_each(sums), _mm512_set1_ps(scale)));
@@ -247,9 +265,9 @@ void accumulate_run(const float* weights, int64_t weight_stride, const T* rows, 
 #pragma GCC unroll 4
       for (int r = 0; r < 4; ++r) a[j][r] = _mm512_loadu_ps(acc + j * head_dim + c + 16 * r);
     for (int64_t i = 0; i < count; ++i) {
-      const T* row = rows + i * stride + c;
       __m512 v[4];
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        const T* row = rows + i * stride + c;
         // 32 bfloat16 a load, split into their even and odd elements as float32 by two
         // instructions, where widening 16 takes three: acc holds each 32 dimensions as 16 even
         // then 16 odd (in_dimension_order puts them back), the same sums in the same order.
@@ -263,7 +281,7 @@ void accumulate_run(const float* weights, int64_t weight_stride, const T* rows, 
         }
       } else {
 #pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) v[r] = load16(row + 16 * r);
+        for (int r = 0; r < 4; ++r) v[r] = row16(rows + i * stride, c + 16 * r, head_dim);
       }
 #pragma GCC unroll 4
       for (int j = 0; j < HEADS; ++j) {
@@ -297,7 +315,8 @@ void accumulate_heads(const float* weights, int64_t weight_stride, const T* rows
 }
 
 template <typename T>
-constexpr bool kVectorRows = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+constexpr bool kVectorRows = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> ||
+                             std::is_same_v<T, int8_t>;
 
 // acc [n] as accumulate_run leaves it over bfloat16 rows, each 32 values 16 even then 16 odd
 // dimensions, back in dimension order, in place. n a multiple of 32.
