@@ -127,6 +127,25 @@ def test_int8_rows_round_trip_within_half_a_step():
                                        torch.bfloat16), torch.zeros(2, DIM, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_cache_write_kernel_quantizes_as_quantize_rows(dtype):
+    """write_kv_cache into an int8 cache writes quantize_rows' bytes: the same codes (half-way
+    values round to even), the same scale, zeros for an all-zero row."""
+    if cpu_kernels() is None:
+        pytest.skip("no C++ compiler here")
+    torch.manual_seed(2)
+    k = (torch.randn(9, KV_HEADS, 64) * 3).to(dtype)
+    v = (torch.randn(9, KV_HEADS, 64) * 3).to(dtype)
+    k[2] = 0.0
+    k[3, 0, :2] = torch.tensor([127.0, 0.5])  # scale 1: 0.5 lies half-way, and rounds to 0
+    k[4, 1, :3] = torch.tensor([-2.54, 1.27, 0.635])  # on steps of 0.02 and their halves
+    caches = [torch.zeros(4, 4, KV_HEADS, 64 + SCALE_BYTES, dtype=torch.int8) for _ in range(2)]
+    slots = torch.tensor([5, 0, 15, 7, 3, 9, 1, 12, 2])
+    cpu_kernels().write_kv_cache(k, v, caches[0], caches[1], slots)
+    for rows, cache in zip((k, v), caches):
+        assert torch.equal(cache.view(16, KV_HEADS, -1)[slots], quantize_rows(rows))
+
+
 # (head_dim, block): the kernel's row-by-row path, and its 16-row runs (head_dim a multiple of
 # 64, blocks of 16), with a sequence long enough to attend in parts.
 INT8_SHAPES = [(DIM, BLOCK, [1, 5, 17, 32]), (64, 16, [1, 16, 37, 600])]

@@ -104,7 +104,6 @@ class ModelRunner:
                     self.model_bytes / 2**20, config.quantization, self.kv_cache_bytes / 2**20,
                     str(cache_dtype)[6:], self.kv_capacity_tokens)
         self.use_decode_kernel = decode_kernel_available(self.device)
-        self.model.decode_plan = DecodePlan.build(self.model, self.kv_caches)
         if config.kv_cache_dtype == "int8":  # every rank: its first step calibrates its heads
             for layer in self.model.layers:
                 layer.self_attn.attn.calibrate_key_smoothing()
@@ -115,6 +114,8 @@ class ModelRunner:
             # A tokenizer may know more ids than the model embeds (the tests' tiny models).
             self._calibration_prefill([t for t in loaded.tokenizer.encode(CALIBRATION_TEXT)
                                        if t < loaded.config.vocab_size])
+        # After the calibration: an int8 cache's plan takes the smoothing factors it sets.
+        self.model.decode_plan = DecodePlan.build(self.model, self.kv_caches)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -61,11 +61,15 @@ struct Product {
 
 struct Layer {
   torch::Tensor input_norm, post_attention_norm, k_cache, v_cache;
+  // An int8 cache's smoothing factors (model/kv_smoothing.py): q is multiplied and k divided by
+  // them before k is cached; undefined for a float cache.
+  torch::Tensor query_smoothing, key_smoothing;
   Product qkv, o_proj, gate_up, down;
 };
 
 // Reads the flat description the Python side builds (model/decode_layers.py's DecodePlan): per
-// layer two norm weights, then four products, each four ints (kind, param, has bias, has
+// layer two norm weights (over an int8 cache, then its query and key smoothing factors), then
+// four products, each four ints (kind, param, has bias, has
 // rotation) and its tensors, then its bias and rotation signs where it has them; the final
 // norm's weight last.
 struct Plan {
@@ -91,6 +95,10 @@ struct Plan {
       Layer layer;
       layer.input_norm = weights.at(w++);
       layer.post_attention_norm = weights.at(w++);
+      if (kv_caches[2 * i].scalar_type() == torch::kChar) {
+        layer.query_smoothing = weights.at(w++);
+        layer.key_smoothing = weights.at(w++);
+      }
       layer.qkv = product();
       layer.o_proj = product();
       layer.gate_up = product();
@@ -176,6 +184,10 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor positions, torch
         qkv.narrow(1, q_size + kv_size, kv_size).view({batch, num_kv_heads, head_dim});
     rotary_(q, cos, sin);
     rotary_(k, cos, sin);
+    if (layer.key_smoothing.defined()) {  // as PagedAttention.forward: powers of two, exact
+      q.mul_(layer.query_smoothing);
+      k.div_(layer.key_smoothing);
+    }
     write_kv_cache(k, v, layer.k_cache, layer.v_cache, slot_mapping);
     const torch::Tensor attended = torch::empty(q.sizes(), q.options());
     paged_decode_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_lens, scale,

@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -233,16 +234,38 @@ torch::Tensor silu_mul_(torch::Tensor gate_up) {
   return at::silu_(gate).mul_(up);
 }
 
+// An int8 cache's row (model/kv_int8.py's quantize_rows, byte for byte): symmetric absmax, scale =
+// max |x| / 127, code = round(x / scale) half to even, clamped to [-127, 127]; the n codes, then
+// the float32 scale's 4 bytes. An all-zero row: codes 0, scale 0.
+namespace {
+
+template <typename T>
+void quantize_row(const T* src, int64_t n, int8_t* dst) {
+  float peak = 0.f;
+  for (int64_t i = 0; i < n; ++i) peak = std::max(peak, std::fabs(static_cast<float>(src[i])));
+  const float scale = peak / 127.f, step = scale > 0.f ? scale : 1.f;
+  for (int64_t i = 0; i < n; ++i)
+    dst[i] = static_cast<int8_t>(
+        std::min(127.f, std::max(-127.f, std::nearbyint(static_cast<float>(src[i]) / step))));
+  std::memcpy(dst + n, &scale, sizeof scale);
+}
+
+}  // namespace
+
 // cache[slot_mapping[t]] = rows[t] for K and V alike: rows [T, Hkv, D] (rows contiguous, any token
-// and head stride), caches [num_blocks, block_size, Hkv, D] contiguous, of the rows' dtype.
+// and head stride), caches [num_blocks, block_size, Hkv, D] contiguous, of the rows' dtype; or
+// int8 caches [num_blocks, block_size, Hkv, D + 4], each row quantized as quantize_row does.
 void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping) {
-  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k.sizes() == v.sizes(),
-              "write_kv_cache: k and v [T, Hkv, D] with contiguous rows");
+  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k.sizes() == v.sizes() &&
+                  k.scalar_type() == v.scalar_type(),
+              "write_kv_cache: k and v [T, Hkv, D] of one dtype with contiguous rows");
+  const bool int8_cache = k_cache.scalar_type() == torch::kChar;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k.scalar_type(),
-              "write_kv_cache: contiguous caches of the rows' dtype");
-  TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),
+                  v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (int8_cache || k_cache.scalar_type() == k.scalar_type()),
+              "write_kv_cache: contiguous caches of the rows' dtype, or int8");
+  TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2) + (int8_cache ? 4 : 0),
               "write_kv_cache: cache rows don't match");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.numel() == k.size(0),
               "write_kv_cache: one int64 slot a token");
@@ -252,16 +275,25 @@ void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, tor
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv_cache: slot out of range");
-  const int64_t row_bytes = head_dim * k.element_size();
+  const int64_t row_bytes = k_cache.size(3) * k_cache.element_size();
   auto copy = [&](const torch::Tensor& rows, torch::Tensor& cache) {
     const char* src = static_cast<const char*>(rows.data_ptr());
     char* dst = static_cast<char*>(cache.data_ptr());
     const int64_t token_stride = rows.stride(0) * rows.element_size();
     const int64_t head_stride = rows.stride(1) * rows.element_size();
     for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t h = 0; h < heads; ++h)
-        std::memcpy(dst + (slots[t] * heads + h) * row_bytes,
-                    src + t * token_stride + h * head_stride, row_bytes);
+      for (int64_t h = 0; h < heads; ++h) {
+        const char* row = src + t * token_stride + h * head_stride;
+        char* slot = dst + (slots[t] * heads + h) * row_bytes;
+        if (!int8_cache) {
+          std::memcpy(slot, row, row_bytes);
+          continue;
+        }
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rows.scalar_type(), "kv", [&] {
+          quantize_row(reinterpret_cast<const scalar_t*>(row), head_dim,
+                       reinterpret_cast<int8_t*>(slot));
+        });
+      }
   };
   copy(k, k_cache);
   copy(v, v_cache);

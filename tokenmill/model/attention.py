@@ -111,8 +111,8 @@ class PagedAttention:
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k and v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, row], where a
         row is D values in the model's dtype, or D int8 codes and a scale (kv_int8.py)."""
-        cached_k, cached_v = k, v
-        if k_cache.dtype == torch.int8:
+        int8_cache = k_cache.dtype == torch.int8
+        if int8_cache:
             if self.calibrating:
                 factors = key_smoothing_factors(k).to(k.dtype)
                 self.key_smoothing = factors
@@ -120,18 +120,19 @@ class PagedAttention:
                 self.calibrating = False
             if self.key_smoothing is not None:  # powers of two: exact, q.k unchanged
                 q, k = q * self.query_smoothing, k / self.key_smoothing
-            cached_k, cached_v = quantize_rows(torch.stack((k, v))).unbind()  # one pass for both
-            if any(chunk.seq_lens is None for chunk in meta.prefills):
-                # SDPA prefill attends to this step's K/V directly; give it what the cache
-                # holds, so that a later step (a prefix-cache hit, a recompute after preemption)
-                # reads these tokens back as exactly these values.
-                k, v = dequantize_rows(cached_k, q.dtype), dequantize_rows(cached_v, q.dtype)
         kernels = fused_kernels(q)
-        if kernels is not None and k_cache.dtype == k.dtype:
+        if kernels is not None:  # quantizes the rows for an int8 cache, as quantize_rows does
             kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
+            cached_k, cached_v = quantize_rows(torch.stack((k, v))).unbind() if int8_cache \
+                else (k, v)
             k_cache.view(-1, *cached_k.shape[1:]).index_copy_(0, meta.slot_mapping, cached_k)
             v_cache.view(-1, *cached_v.shape[1:]).index_copy_(0, meta.slot_mapping, cached_v)
+        if int8_cache and any(chunk.seq_lens is None for chunk in meta.prefills):
+            # SDPA prefill attends to this step's K/V directly; give it what the cache holds,
+            # so that a later step (a prefix-cache hit, a recompute after preemption) reads
+            # these tokens back as exactly these values.
+            k, v = dequantize_rows(quantize_rows(torch.stack((k, v))), q.dtype).unbind()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)

@@ -3,8 +3,8 @@
 At one sequence the eager model's Python between its kernels costs about as much as its products.
 A `DecodePlan` runs the same kernels in the same order from C++, so it gives the eager model's
 values bit for bit; it exists only when every product says how C++ runs it (`decode_product`),
-and it takes only steps of decode tokens over a float cache. Tensor-parallel products, aten's
-packed kernels and the int8 cache stay on the eager path.
+and it takes only steps of decode tokens. Tensor-parallel products and aten's packed kernels stay
+on the eager path.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ class DecodePlan:
         layout: list[int] = []
         for index, layer in enumerate(model.layers):
             weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if self.cache_dtype == torch.int8:
+                attn = layer.self_attn.attn
+                weights += [attn.query_smoothing, attn.key_smoothing]
             for product in products[4 * index:4 * index + 4]:
                 extras = [t for t in (product.bias, product.rotation) if t is not None]
                 weights += [*product.tensors, *extras]
@@ -75,6 +78,9 @@ class DecodePlan:
         products = [module.decode_product() for module in modules]
         if any(product is None for product in products):
             return None
+        if kv_caches[0][0].dtype == torch.int8 and any(
+                layer.self_attn.attn.key_smoothing is None for layer in model.layers):
+            return None  # built after the calibration prefill that sets the factors
         return cls(model, kv_caches, products)
 
     def runs(self, x: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -83,7 +89,7 @@ class DecodePlan:
         through the attention kernel, over the caches it was built for."""
         return (not meta.prefills and meta.decode_mask is None
                 and meta.num_decodes == x.shape[0] <= self.max_rows
-                and kv_caches is self.kv_caches and self.cache_dtype == x.dtype)
+                and kv_caches is self.kv_caches and self.cache_dtype in (x.dtype, torch.int8))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
