@@ -146,6 +146,29 @@ def test_the_cache_write_kernel_quantizes_as_quantize_rows(dtype):
         assert torch.equal(cache.view(16, KV_HEADS, -1)[slots], quantize_rows(rows))
 
 
+def test_int8_cache_prefill_is_the_tiled_prefill_over_its_bf16_values():
+    """bfloat16 prefill over an int8 cache: bit for bit the tiled kernel's output over a bfloat16
+    cache holding dequantize_rows' values, and near the dense reference."""
+    if cpu_kernels() is None or not cpu_kernels().linear_bf16_available():
+        pytest.skip("the tiled prefill needs AVX-512 BF16")
+    torch.manual_seed(6)
+    length, block = 70, 16
+    k, v = (torch.randn(length, KV_HEADS, 64).bfloat16() for _ in range(2))
+    int8_caches = scattered_cache([(k, v)], torch.bfloat16, 12, int8=True, block=block)
+    k_cache, v_cache, [table] = int8_caches
+    bf16_caches = [dequantize_rows(c, torch.bfloat16) for c in (k_cache, v_cache)]
+    q = torch.randn(30, HEADS, 64).bfloat16()
+    positions = torch.arange(length - 30 + 1, length + 1)  # a chunk after a cached prefix
+    outs = [torch.empty_like(q) for _ in range(2)]
+    for (kc, vc), out in zip(((k_cache, v_cache), bf16_caches), outs):
+        cpu_kernels().paged_prefill_attention(q, kc, vc, torch.tensor(table), positions,
+                                              64 ** -0.5, out)
+    assert torch.equal(outs[0], outs[1])
+    k_read, v_read = (c[table].flatten(0, 1)[:length].float() for c in bf16_caches)
+    expected = dense_attention(q.float(), k_read, v_read, length - 30)
+    torch.testing.assert_close(outs[0].float(), expected, atol=2e-2, rtol=2e-2)
+
+
 # (head_dim, block): the kernel's row-by-row path, and its 16-row runs (head_dim a multiple of
 # 64, blocks of 16), with a sequence long enough to attend in parts.
 INT8_SHAPES = [(DIM, BLOCK, [1, 5, 17, 32]), (64, 16, [1, 16, 37, 600])]

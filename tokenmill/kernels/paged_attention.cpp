@@ -922,9 +922,9 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
 // One prefill chunk's attention: q [Tq, H, D] (heads contiguous; a view into the fused qkv
 // product is fine), token i at position seq_lens[i] - 1 of the sequence whose blocks are
 // block_table [blocks] int64, seq_lens [Tq] int64 consecutive (attention.py's prefill_chunk);
-// caches as paged_decode_attention's. bfloat16 q and cache with head_dim 64 or 128 run
-// tiled_prefill on AVX-512 BF16 (amx_prefill for 64 on AMX, blocks a multiple of 16); anything
-// else attends each token as a decode sequence, the numbers decode gives (float32's chunked
+// caches as paged_decode_attention's. bfloat16 q and cache (or an int8 cache, de-quantized to
+// bfloat16 first) with head_dim 64 or 128 run tiled_prefill on AVX-512 BF16 (amx_prefill for 64
+// on AMX, blocks a multiple of 16); anything else attends each token as a decode sequence, the numbers decode gives (float32's chunked
 // prefill, prefix hits and recomputes rely on it). Writes [Tq, H, D] into `out`, contiguous, of
 // q's dtype.
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -933,6 +933,47 @@ void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tens
   TORCH_CHECK(block_table.dim() == 1 && seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0),
               "block_table [blocks], seq_lens [Tq]");
 #if defined(__AVX512BF16__)
+  if (q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kChar &&
+      q.dim() == 3 && (q.size(2) == 64 || q.size(2) == 128) && q.size(0) > 0) {
+    // An int8 cache: the chunk's blocks de-quantized to bfloat16 (dequantize_rows' values, rounded
+    // as .to(torch.bfloat16) rounds them), then the tiled prefill over those. Each query token
+    // attending as a decode sequence had taken 2x the bf16 cache's prefill time (2,048-token
+    // steps of 400-token prompts).
+    const WithoutGil without_gil;
+    const int64_t block_size = k_cache.size(1), heads = k_cache.size(2), head_dim = q.size(2);
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                    v_cache.scalar_type() == torch::kChar && k_cache.size(3) == head_dim + 4 &&
+                    block_table.scalar_type() == torch::kInt64 &&
+                    seq_lens.scalar_type() == torch::kInt64,
+                "int8 caches [num_blocks, block_size, Hkv, D + 4], int64 block_table and seq_lens");
+    block_table = block_table.contiguous();
+    const int64_t last = seq_lens[q.size(0) - 1].item<int64_t>();
+    const int64_t blocks = (last + block_size - 1) / block_size;
+    TORCH_CHECK(0 < last && blocks <= block_table.size(0),
+                "block_table: too few blocks for the chunk's positions");
+    const int64_t* table = block_table.data_ptr<int64_t>();
+    for (int64_t b = 0; b < blocks; ++b)
+      TORCH_CHECK(0 <= table[b] && table[b] < k_cache.size(0), "block_table: block out of range");
+    const int64_t block_rows = block_size * heads, width = head_dim + 4;
+    const auto widened = [&](const torch::Tensor& cache) {
+      torch::Tensor into = torch::empty({blocks, block_size, heads, head_dim}, q.options());
+      const int8_t* src = cache.data_ptr<int8_t>();
+      c10::BFloat16* dst = into.data_ptr<c10::BFloat16>();
+      at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> row(head_dim);
+        for (int64_t b = begin; b < end; ++b)
+          for (int64_t r = 0; r < block_rows; ++r) {
+            load_row(src + (table[b] * block_rows + r) * width, head_dim, row.data());
+            c10::BFloat16* out_row = dst + (b * block_rows + r) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) out_row[d] = c10::BFloat16(row[d]);
+          }
+      });
+      return into;
+    };
+    paged_prefill_attention(q, widened(k_cache), widened(v_cache),
+                            torch::arange(blocks, block_table.options()), seq_lens, scale, out);
+    return;
+  }
   if (q.scalar_type() == torch::kBFloat16 && k_cache.scalar_type() == torch::kBFloat16 &&
       q.dim() == 3 && (q.size(2) == 64 || q.size(2) == 128) && q.size(0) > 0) {
     TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2),
