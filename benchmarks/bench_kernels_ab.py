@@ -13,7 +13,8 @@ instead runs bf16 decode attention over 30 layers' own KV caches (SmolLM2's head
 output; `--context N`: N each), so the cache comes from memory as in a decode step; `prefill`
 runs the bf16 prefill attention of a 2,048-token step, sequences of `--rows` tokens each
 attended from position 0; `attention-int8` and `prefill-int8` the same over int8 caches
-(`--kv-cache-dtype int8`'s rows). The builds take turns going first; the figure is the median pass, in
+(`--kv-cache-dtype int8`'s rows); `sample`, `sample-top-p` and `sample-top-k` one step's draws
+(kernels/sampling.cpp) for `--rows` sequences. The builds take turns going first; the figure is the median pass, in
 ms. The other commit's kernels are built from its `tokenmill/kernels` sources, with this
 checkout's flags.
 
@@ -141,6 +142,20 @@ def prefill_pass(length: int, int8: bool = False) -> Callable[[ModuleType], None
                             for k, v in caches for s in range(sequences)]
 
 
+# The sampling formats: (top_k, top_p) at temperature 0.8.
+SAMPLING = {"sample": (0, 1.0), "sample-top-p": (0, 0.9), "sample-top-k": (50, 1.0)}
+
+
+def sampling_pass(shaping: str, rows: int) -> Callable[[ModuleType], None]:
+    """One step's draws for `rows` sequences over SmolLM2's 49,152 tokens: random logits (normal,
+    standard deviation 2.5, in bf16's values), temperature 0.8 and the format's top-k / top-p."""
+    top_k, top_p = SAMPLING[shaping]
+    logits = (torch.randn(rows, 49152) * 2.5).bfloat16().float()
+    args = (logits, torch.full((rows,), 0.8), torch.full((rows,), top_k, dtype=torch.long),
+            torch.full((rows,), top_p), torch.zeros(rows), torch.rand(rows, dtype=torch.float64))
+    return lambda kernels: kernels.sample_rows(*args)
+
+
 def product(kernels: ModuleType, layer: QuantizedLinear | torch.Tensor, x: torch.Tensor
             ) -> torch.Tensor:
     """layer(x) by `kernels`' product, as the layer's own packed_matmul (or a bf16 W's
@@ -177,6 +192,7 @@ def main() -> None:
             run = attention_pass(rows, args.context, int8_cache) \
                 if quantization.startswith("attention") \
                 else prefill_pass(rows, int8_cache) if quantization.startswith("prefill") \
+                else sampling_pass(quantization, rows) if quantization in SAMPLING \
                 else products_pass(quantization, rows)
             passes: dict[str, list[float]] = {name: [] for name in builds}
             for index in range(args.passes + 1):  # the first pass warms up
