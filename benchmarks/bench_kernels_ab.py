@@ -14,7 +14,8 @@ output; `--context N`: N each), so the cache comes from memory as in a decode st
 runs the bf16 prefill attention of a 2,048-token step, sequences of `--rows` tokens each
 attended from position 0; `attention-int8` and `prefill-int8` the same over int8 caches
 (`--kv-cache-dtype int8`'s rows); `sample`, `sample-top-p` and `sample-top-k` one step's draws
-(kernels/sampling.cpp) for `--rows` sequences. The builds take turns going first; the figure is the median pass, in
+(kernels/sampling.cpp) for `--rows` sequences; `kv-write` and `kv-write-int8` one step's K/V
+written into 30 layers' caches, `--rows` tokens. The builds take turns going first; the figure is the median pass, in
 ms. The other commit's kernels are built from its `tokenmill/kernels` sources, with this
 checkout's flags.
 
@@ -142,6 +143,17 @@ def prefill_pass(length: int, int8: bool = False) -> Callable[[ModuleType], None
                             for k, v in caches for s in range(sequences)]
 
 
+def kv_write_pass(tokens: int, int8: bool) -> Callable[[ModuleType], None]:
+    """One step's K/V writes into 30 layers' caches (bf16, or int8 rows quantized on the way),
+    `tokens` tokens scattered over the pool."""
+    shape = (4096, BLOCK, KV_HEADS, HEAD_DIM + 4 * int8)
+    caches = [tuple(torch.zeros(shape, dtype=torch.int8 if int8 else torch.bfloat16)
+                    for _ in range(2)) for _ in range(LAYERS)]
+    k, v = (torch.randn(tokens, KV_HEADS, HEAD_DIM).bfloat16() for _ in range(2))
+    slots = torch.randperm(4096 * BLOCK)[:tokens]
+    return lambda kernels: [kernels.write_kv_cache(k, v, kc, vc, slots) for kc, vc in caches]
+
+
 # The sampling formats: (top_k, top_p) at temperature 0.8.
 SAMPLING = {"sample": (0, 1.0), "sample-top-p": (0, 0.9), "sample-top-k": (50, 1.0)}
 
@@ -193,6 +205,7 @@ def main() -> None:
                 if quantization.startswith("attention") \
                 else prefill_pass(rows, int8_cache) if quantization.startswith("prefill") \
                 else sampling_pass(quantization, rows) if quantization in SAMPLING \
+                else kv_write_pass(rows, int8_cache) if quantization.startswith("kv-write") \
                 else products_pass(quantization, rows)
             passes: dict[str, list[float]] = {name: [] for name in builds}
             for index in range(args.passes + 1):  # the first pass warms up

@@ -250,6 +250,39 @@ void quantize_row(const T* src, int64_t n, int8_t* dst) {
   std::memcpy(dst + n, &scale, sizeof scale);
 }
 
+#if defined(__AVX512F__)
+// quantize_row 16 values at a time, for float32 and bfloat16 rows of a multiple of 16: the same
+// IEEE division, rounding half to even (VRNDSCALEPS) and clamp, so the same bytes. The scalar
+// loop took 42 us a layer for a decode step's 64 tokens and 1.4 ms for a 2,048-token prefill.
+template <typename T>
+void quantize_row16(const T* src, int64_t n, int8_t* dst) {
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  __m512 peaks = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16)
+    peaks = _mm512_max_ps(peaks, _mm512_and_ps(load16(src + i), magnitude));
+  const float scale = _mm512_reduce_max_ps(peaks) / 127.f, step = scale > 0.f ? scale : 1.f;
+  const __m512 by = _mm512_set1_ps(step), low = _mm512_set1_ps(-127.f), high = _mm512_set1_ps(127.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 codes = _mm512_roundscale_ps(_mm512_div_ps(load16(src + i), by),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(
+                         _mm512_min_ps(high, _mm512_max_ps(low, codes)))));
+  }
+  std::memcpy(dst + n, &scale, sizeof scale);
+}
+#endif
+
+template <typename T>
+void quantize_rows_into(const T* src, int64_t n, int8_t* dst) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    if (n % 16 == 0) return quantize_row16(src, n, dst);
+  }
+#endif
+  quantize_row(src, n, dst);
+}
+
 }  // namespace
 
 // cache[slot_mapping[t]] = rows[t] for K and V alike: rows [T, Hkv, D] (rows contiguous, any token
@@ -281,19 +314,23 @@ void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, tor
     char* dst = static_cast<char*>(cache.data_ptr());
     const int64_t token_stride = rows.stride(0) * rows.element_size();
     const int64_t head_stride = rows.stride(1) * rows.element_size();
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t h = 0; h < heads; ++h) {
-        const char* row = src + t * token_stride + h * head_stride;
-        char* slot = dst + (slots[t] * heads + h) * row_bytes;
-        if (!int8_cache) {
-          std::memcpy(slot, row, row_bytes);
-          continue;
-        }
-        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rows.scalar_type(), "kv", [&] {
-          quantize_row(reinterpret_cast<const scalar_t*>(row), head_dim,
-                       reinterpret_cast<int8_t*>(slot));
-        });
-      }
+    if (!int8_cache) {
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t h = 0; h < heads; ++h)
+          std::memcpy(dst + (slots[t] * heads + h) * row_bytes,
+                      src + t * token_stride + h * head_stride, row_bytes);
+      return;
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rows.scalar_type(), "kv", [&] {
+      // A prefill's thousands of tokens over both cores; a decode step's few on one.
+      at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t)
+          for (int64_t h = 0; h < heads; ++h)
+            quantize_rows_into(
+                reinterpret_cast<const scalar_t*>(src + t * token_stride + h * head_stride),
+                head_dim, reinterpret_cast<int8_t*>(dst + (slots[t] * heads + h) * row_bytes));
+      });
+    });
   };
   copy(k, k_cache);
   copy(v, v_cache);
