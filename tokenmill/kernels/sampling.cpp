@@ -177,6 +177,26 @@ float least_kept(const std::vector<float>& values, int64_t top_k, float top_p, f
   return std::max(least, min_p);
 }
 
+// The sum of n floats in float64, 16 at a time into two 8-lane accumulators with AVX-512: a
+// scalar chain of float64 adds (4 cycles each, 49,152 a row) had been most of a draw at a
+// temperature alone.
+inline double sum_f64(const float* v, int64_t n) {
+  double sum = 0.0;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(v + i);
+    low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
+    high = _mm512_add_pd(high, _mm512_cvtps_pd(_mm256_castpd_ps(
+                                   _mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
+  }
+  sum = _mm512_reduce_add_pd(_mm512_add_pd(low, high));
+#endif
+  for (; i < n; ++i) sum += v[i];
+  return sum;
+}
+
 template <typename T>
 int64_t sample_row(const T* row, int64_t n, float temperature, int64_t top_k, float top_p,
                    float min_p, double uniform, std::vector<float>& values,
@@ -193,9 +213,9 @@ int64_t sample_row(const T* row, int64_t n, float temperature, int64_t top_k, fl
   block_sums.resize(blocks);
   double total = 0.0;
   for (int64_t b = 0; b < blocks; ++b) {
-    double sum = 0.0;
-    for (int64_t i = b * kCdfBlock; i < std::min(n, (b + 1) * kCdfBlock); ++i) sum += values[i];
-    total += (block_sums[b] = sum);
+    const int64_t begin = b * kCdfBlock;
+    const int64_t end = std::min(n, begin + kCdfBlock);
+    total += (block_sums[b] = sum_f64(values.data() + begin, end - begin));
   }
   // The first block, then value, whose running sum passes the target; past the end (rounding,
   // a uniform near 1), the last with a share.
