@@ -168,6 +168,20 @@ def test_ngram_speculation_on_cuda_keeps_greedy_output(make_llm, cuda_bf16) -> N
                                    cuda_bf16.generate(prompts, GREEDY))
 
 
+def test_sampled_speculation_on_cuda_is_reproducible(make_llm) -> None:
+    """The rejection sampler draws through the plain sampler's torch path on the device: a seeded
+    request repeats itself, with logprobs, and keeps proposals."""
+    speculative = make_llm(device="cuda", dtype="bfloat16", speculative_method="ngram",
+                           num_speculative_tokens=4, speculative_adaptive=False)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=24, ignore_eos=True,
+                            logprobs=1)
+    prompts = [SYSTEM_PROMPT[:400] + " Repeat the first sentence of the text above."]
+    first, second = (speculative.generate(prompts, params) for _ in range(2))
+    assert token_ids(first) == token_ids(second)
+    assert len(first[0].outputs[0].logprobs) == 24
+    assert speculative.engine.stats().spec_decode.num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_model_on_cuda_keeps_the_engine_invariants(make_llm, quantization) -> None:
     llm = make_llm(device="cuda", dtype="bfloat16", quantization=quantization,
