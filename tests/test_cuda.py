@@ -171,8 +171,10 @@ def test_ngram_speculation_on_cuda_keeps_greedy_output(make_llm, cuda_bf16) -> N
 def test_sampled_speculation_on_cuda_is_reproducible(make_llm) -> None:
     """The rejection sampler draws through the plain sampler's torch path on the device: a seeded
     request repeats itself, with logprobs, and keeps proposals."""
+    # No prefix cache: the second run computes what the first did, step for step.
     speculative = make_llm(device="cuda", dtype="bfloat16", speculative_method="ngram",
-                           num_speculative_tokens=4, speculative_adaptive=False)
+                           num_speculative_tokens=4, speculative_adaptive=False,
+                           enable_prefix_caching=False)
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=5, max_tokens=24, ignore_eos=True,
                             logprobs=1)
     prompts = [SYSTEM_PROMPT[:400] + " Repeat the first sentence of the text above."]
