@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from tests.distributions import total_variation
 from tests.near_ties import assert_parts_only_at_near_ties
 from tests.prompts import CHAT_QUESTIONS, SYSTEM_PROMPT, varied_prompts
+from tests.test_engine_bf16 import PARAMS as GREEDY  # greedy, 16 tokens, two logprobs
+from tests.test_quant import token_ids
 from tokenmill import SamplingParams
 from tokenmill.model.layers import Linear
 from tokenmill.model.sampler import Sampler
@@ -28,11 +30,6 @@ from tokenmill.quant.rotation import rotation_signs
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 CUDA = torch.device("cuda")
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
-
-
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 # ---- layers and the sampler, no model ---------------------------------------------------------

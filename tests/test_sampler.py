@@ -8,7 +8,7 @@ import torch
 
 from tests.distributions import total_variation
 from tokenmill.kernels import cpu_kernels
-from tokenmill.model.sampler import Sampler, draw, invert_cdf, kept_from, logprob_entries
+from tokenmill.model.sampler import Sampler, invert_cdf, kept_from, logprob_entries
 from tokenmill.sampling_params import SamplingParams
 
 VOCAB = 12
@@ -64,10 +64,13 @@ def test_the_distribution_test_catches_a_skewed_draw(monkeypatch):
 
 
 def test_a_draw_depends_only_on_its_own_generator():
-    probs = torch.rand(3, VOCAB)
-    alone = draw(probs[1:2], [torch.Generator().manual_seed(7)])
-    together = draw(probs, [torch.Generator().manual_seed(s) for s in (1, 7, 2)])
-    assert together[1] == alone[0]
+    logits = torch.randn(3, VOCAB) * 2
+    params = SamplingParams(temperature=1.0)
+    for seed in range(20):
+        alone = Sampler(0)(logits[1:2], [params], [torch.Generator().manual_seed(seed)])
+        together = Sampler(0)(logits, [params] * 3, [torch.Generator().manual_seed(s)
+                                                     for s in (100, seed, 200)])
+        assert together.token_ids[1] == alone.token_ids[0]
 
 
 def test_a_uniform_at_either_end_lands_on_a_token_with_a_share():

@@ -69,9 +69,8 @@ struct Layer {
 
 // Reads the flat description the Python side builds (model/decode_layers.py's DecodePlan): per
 // layer two norm weights (over an int8 cache, then its query and key smoothing factors), then
-// four products, each four ints (kind, param, has bias, has
-// rotation) and its tensors, then its bias and rotation signs where it has them; the final
-// norm's weight last.
+// four products, each four ints (kind, param, has bias, has rotation) and its tensors, then its
+// bias and rotation signs where it has them; the final norm's weight last.
 struct Plan {
   std::vector<Layer> layers;
   torch::Tensor final_norm;

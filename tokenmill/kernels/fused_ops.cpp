@@ -261,7 +261,8 @@ void quantize_row16(const T* src, int64_t n, int8_t* dst) {
   for (int64_t i = 0; i < n; i += 16)
     peaks = _mm512_max_ps(peaks, _mm512_and_ps(load16(src + i), magnitude));
   const float scale = _mm512_reduce_max_ps(peaks) / 127.f, step = scale > 0.f ? scale : 1.f;
-  const __m512 by = _mm512_set1_ps(step), low = _mm512_set1_ps(-127.f), high = _mm512_set1_ps(127.f);
+  const __m512 by = _mm512_set1_ps(step);
+  const __m512 low = _mm512_set1_ps(-127.f), high = _mm512_set1_ps(127.f);
   for (int64_t i = 0; i < n; i += 16) {
     const __m512 codes = _mm512_roundscale_ps(_mm512_div_ps(load16(src + i), by),
                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -171,8 +171,8 @@ void accumulate_rows(const float* weights, const T* rows, int64_t stride, int64_
 }
 
 #if defined(__AVX512F__)
-// Sixteen rows at a time for float, bfloat16 and int8 caches: one horizontal sum (a transpose-add of 16
-// registers) for 16 dot products instead of one each, and the weighted sum in registers.
+// Sixteen rows at a time for float, bfloat16 and int8 caches: one horizontal sum (a transpose-add
+// of 16 registers) for 16 dot products instead of one each, and the weighted sum in registers.
 constexpr int64_t kRun = 16;
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -924,9 +924,9 @@ void paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
 // block_table [blocks] int64, seq_lens [Tq] int64 consecutive (attention.py's prefill_chunk);
 // caches as paged_decode_attention's. bfloat16 q and cache (or an int8 cache, de-quantized to
 // bfloat16 first) with head_dim 64 or 128 run tiled_prefill on AVX-512 BF16 (amx_prefill for 64
-// on AMX, blocks a multiple of 16); anything else attends each token as a decode sequence, the numbers decode gives (float32's chunked
-// prefill, prefix hits and recomputes rely on it). Writes [Tq, H, D] into `out`, contiguous, of
-// q's dtype.
+// on AMX, blocks a multiple of 16); anything else attends each token as a decode sequence, the
+// numbers decode gives (float32's chunked prefill, prefix hits and recomputes rely on it).
+// Writes [Tq, H, D] into `out`, contiguous, of q's dtype.
 void paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                              torch::Tensor block_table, torch::Tensor seq_lens, double scale,
                              torch::Tensor out) {

@@ -177,21 +177,28 @@ float least_kept(const std::vector<float>& values, int64_t top_k, float top_p, f
   return std::max(least, min_p);
 }
 
-// The sum of n floats in float64, 16 at a time into two 8-lane accumulators with AVX-512: a
-// scalar chain of float64 adds (4 cycles each, 49,152 a row) had been most of a draw at a
-// temperature alone.
-inline double sum_f64(const float* v, int64_t n) {
-  double sum = 0.0;
-  int64_t i = 0;
 #if defined(__AVX512F__)
+// 16 floats added in float64 into two 8-lane accumulators, the low 8 and the high 8.
+struct SumF64 {
   __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_loadu_ps(v + i);
+  void add(__m512 x) {
     low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
     high = _mm512_add_pd(high, _mm512_cvtps_pd(_mm256_castpd_ps(
                                    _mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
   }
-  sum = _mm512_reduce_add_pd(_mm512_add_pd(low, high));
+  double total() const { return _mm512_reduce_add_pd(_mm512_add_pd(low, high)); }
+};
+#endif
+
+// The sum of n floats in float64, 16 at a time with AVX-512: a scalar chain of float64 adds (4
+// cycles each, 49,152 a row) had been most of a draw at a temperature alone.
+inline double sum_f64(const float* v, int64_t n) {
+  double sum = 0.0;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  SumF64 sums;
+  for (; i + 16 <= n; i += 16) sums.add(_mm512_loadu_ps(v + i));
+  sum = sums.total();
 #endif
   for (; i < n; ++i) sum += v[i];
   return sum;
@@ -245,14 +252,9 @@ float row_log_sum_exp(const T* row, int64_t n, float peak) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   const __m512 top = _mm512_set1_ps(peak);
-  __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(load16(row + i), top));
-    low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
-    high = _mm512_add_pd(high, _mm512_cvtps_pd(_mm256_castpd_ps(
-                                   _mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
-  }
-  sum = _mm512_reduce_add_pd(_mm512_add_pd(low, high));
+  SumF64 sums;
+  for (; i + 16 <= n; i += 16) sums.add(exp16(_mm512_sub_ps(load16(row + i), top)));
+  sum = sums.total();
 #endif
   for (; i < n; ++i) sum += std::exp(static_cast<double>(static_cast<float>(row[i]) - peak));
   return static_cast<float>(static_cast<double>(peak) + std::log(sum));
@@ -297,21 +299,29 @@ void check_logits(const torch::Tensor& logits, const char* name) {
               name, ": logits [rows, n] float32 or bfloat16 with contiguous rows");
 }
 
-// A token a row of checked logits, [rows] int64: token(row values, r, scratch), each thread with
-// its own Scratch.
-template <typename Scratch, typename Token>
-torch::Tensor token_per_row(const torch::Tensor& logits, Token token) {
+// fn(row values, r, scratch) for each row of checked logits, over the threads, each with its
+// own Scratch.
+template <typename Scratch, typename Fn>
+void for_each_row(const torch::Tensor& logits, Fn fn) {
   const int64_t rows = logits.size(0), stride = logits.stride(0);
-  auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
-  int64_t* tokens = out.data_ptr<int64_t>();
   const auto each_row = [&](const auto* data) {
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       Scratch scratch;
-      for (int64_t r = begin; r < end; ++r) tokens[r] = token(data + r * stride, r, scratch);
+      for (int64_t r = begin; r < end; ++r) fn(data + r * stride, r, scratch);
     });
   };
   if (logits.scalar_type() == torch::kFloat) each_row(logits.data_ptr<float>());
   else each_row(logits.data_ptr<c10::BFloat16>());
+}
+
+// A token a row of checked logits, [rows] int64: token(row values, r, scratch).
+template <typename Scratch, typename Token>
+torch::Tensor token_per_row(const torch::Tensor& logits, Token token) {
+  auto out = torch::empty({logits.size(0)}, logits.options().dtype(torch::kLong));
+  int64_t* tokens = out.data_ptr<int64_t>();
+  for_each_row<Scratch>(logits, [&](const auto* row, int64_t r, Scratch& scratch) {
+    tokens[r] = token(row, r, scratch);
+  });
   return out;
 }
 
@@ -370,7 +380,7 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperatures, torc
 std::tuple<torch::Tensor, torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor chosen,
                                                       int64_t num_top) {
   check_logits(logits, "logprob_rows");
-  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  const int64_t rows = logits.size(0), n = logits.size(1);
   TORCH_CHECK(chosen.scalar_type() == torch::kLong && chosen.numel() == rows && 0 <= num_top &&
                   num_top <= n,
               "logprob_rows: chosen [rows] int64, 0 <= num_top <= n");
@@ -382,23 +392,15 @@ std::tuple<torch::Tensor, torch::Tensor> logprob_rows(torch::Tensor logits, torc
   auto ids = torch::empty({rows, num_top}, logits.options().dtype(torch::kLong));
   float* value_out = values.data_ptr<float>();
   int64_t* id_out = ids.data_ptr<int64_t>();
-  const auto each_row = [&](const auto* data) {
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      Ranked top;
-      for (int64_t r = begin; r < end; ++r) {
-        const auto* row = data + r * stride;
-        const float lse = row_log_sum_exp(row, n, static_cast<float>(row[row_argmax(row, n)]));
-        float* out = value_out + r * (1 + num_top);
-        out[0] = static_cast<float>(row[tokens[r]]) - lse;
-        row_top(row, n, num_top, top);
-        for (int64_t j = 0; j < num_top; ++j) {
-          out[1 + j] = top[j].first - lse;
-          id_out[r * num_top + j] = top[j].second;
-        }
-      }
-    });
-  };
-  if (logits.scalar_type() == torch::kFloat) each_row(logits.data_ptr<float>());
-  else each_row(logits.data_ptr<c10::BFloat16>());
+  for_each_row<Ranked>(logits, [&](const auto* row, int64_t r, Ranked& top) {
+    const float lse = row_log_sum_exp(row, n, static_cast<float>(row[row_argmax(row, n)]));
+    float* out = value_out + r * (1 + num_top);
+    out[0] = static_cast<float>(row[tokens[r]]) - lse;
+    row_top(row, n, num_top, top);
+    for (int64_t j = 0; j < num_top; ++j) {
+      out[1 + j] = top[j].first - lse;
+      id_out[r * num_top + j] = top[j].second;
+    }
+  });
   return {values, ids};
 }

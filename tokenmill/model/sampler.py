@@ -167,12 +167,6 @@ def draw_uniforms(generators: list[torch.Generator]) -> torch.Tensor:
     return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
 
 
-def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """A token from each row of unnormalised `probs` [rows, vocab], by a uniform number from the
-    row's generator."""
-    return invert_cdf(probs, draw_uniforms(generators))
-
-
 CDF_BLOCK = 256
 
 

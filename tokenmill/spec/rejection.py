@@ -22,7 +22,7 @@ from itertools import accumulate
 import torch
 
 from tokenmill.engine.scheduler import ScheduledChunk
-from tokenmill.model.sampler import Sampler, draw_uniforms, logprob_entries
+from tokenmill.model.sampler import Sampler, draw_uniforms, greedy_tokens, logprob_entries
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -39,7 +39,7 @@ class RejectionSampler:
         counts = [c.num_spec_tokens + 1 for c in chunks]
         starts = [0, *accumulate(counts)]
         params = [c.request.sampling_params for c in chunks]
-        greedy_ids = logits.argmax(dim=-1).tolist()
+        greedy_ids = greedy_tokens(logits).tolist()
         token_ids, logprobs = [], []
         for i, chunk in enumerate(chunks):
             request = chunk.request
