@@ -11,6 +11,7 @@ import torch
 from tests.test_tensor_parallel import greedy_tokens, tiny_prompts, write_tiny_model
 from tokenmill import LLM, EngineConfig
 from tokenmill.eval.configs import parse_config
+from tokenmill.quant.calibration import LayerwiseCalibration, _kv_caches, _prefill_inputs
 from tokenmill.quant.gptq import Hessian, gptq_levels
 from tokenmill.quant.int4 import Int4Linear, group_widths, pack_levels
 
@@ -106,6 +107,24 @@ def tiny_gptq(tmp_path_factory, smollm):
                   max_num_batched_tokens=64, debug_checks=True, quantization="int4",
                   quant_group_size=32, quant_method="gptq")
     return llm, folder, cache
+
+
+def test_layerwise_calibration_gives_the_model_forward(tmp_path, smollm) -> None:
+    """Run (the Hessians' pass) then advance, layer by layer as GPTQ does, ends on the hidden
+    states of the model's own forward: running a layer leaves the stream it reads as it was (the
+    layers add into their residual stream in place)."""
+    folder = write_tiny_model(tmp_path / "tiny", smollm, "LlamaForCausalLM", 4, 2)
+    model = LLM(model=str(folder), dtype="float32", num_kv_blocks=64).engine.runner.model
+    sequences = [list(range(3, 40)), list(range(50, 71))]
+    calibration = LayerwiseCalibration(model, sequences)
+    for layer in model.layers:
+        calibration.run(layer)
+        calibration.advance(layer)
+    tables = [[0, 1, 2], [3, 4]]
+    input_ids, positions, meta = _prefill_inputs(model, sequences, tables)
+    with torch.inference_mode():
+        expected = model(input_ids, positions, _kv_caches(model, len(model.layers), 5), meta)
+    torch.testing.assert_close(calibration.final_hidden(model), expected, rtol=0, atol=0)
 
 
 def test_gptq_engine_keeps_batch_invariance(tiny_gptq) -> None:

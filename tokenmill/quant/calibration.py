@@ -19,7 +19,7 @@ from tokenmill.model.attention import (AttentionMetadata, cache_slot, decode_ker
 from tokenmill.model.kv_smoothing import CALIBRATION_TEXT
 from tokenmill.model.llama import DecoderLayer, LlamaForCausalLM
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # 2: each layer's Hessian pass no longer adds into the stream it reads
 CALIBRATION_PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Write a Python function that parses a CSV file and returns the average of each column.",
@@ -119,8 +119,11 @@ class LayerwiseCalibration:
 
     @torch.inference_mode()
     def run(self, layer: DecoderLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's output on the current inputs; the inputs stay as they are."""
-        return layer(self.hidden, self.residual, self.cos, self.sin, self.kv_cache, self.meta)
+        """The layer's output on the current inputs; the inputs stay as they are. The layer adds
+        into its residual stream in place (the first layer's is the embedding, `hidden`), so it
+        runs on copies."""
+        residual = None if self.residual is None else self.residual.clone()
+        return layer(self.hidden.clone(), residual, self.cos, self.sin, self.kv_cache, self.meta)
 
     def advance(self, layer: DecoderLayer) -> None:
         """The layer's output becomes the next layer's input."""
