@@ -18,6 +18,8 @@ from tests.distributions import total_variation
 from tests.near_ties import assert_parts_only_at_near_ties
 from tests.prompts import CHAT_QUESTIONS, SYSTEM_PROMPT, varied_prompts
 from tests.test_engine_bf16 import PARAMS as GREEDY  # greedy, 16 tokens, two logprobs
+from tests.test_engine_bf16 import (check_batch_invariance,
+                                    check_prefix_cache_preemption_and_chunked_prefill)
 from tests.test_quant import token_ids
 from tokenmill import SamplingParams
 from tokenmill.model.layers import Linear
@@ -125,23 +127,11 @@ def test_fp32_greedy_tokens_match_transformers_on_cuda(cuda_fp32, hf_smollm) -> 
 
 
 def test_bf16_batch_invariance_on_cuda(cuda_bf16) -> None:
-    prompts = varied_prompts(16)
-    batched = cuda_bf16.generate(prompts, GREEDY)
-    alone = [cuda_bf16.generate([p], GREEDY)[0] for p in prompts]
-    assert_parts_only_at_near_ties(batched, alone)
+    check_batch_invariance(cuda_bf16)
 
 
 def test_prefix_cache_preemption_and_chunked_prefill_on_cuda(make_llm, cuda_bf16) -> None:
-    prompts = [SYSTEM_PROMPT + question for question in
-               ("How do backups work?", "What are the support hours?", "How is storage billed?")]
-    reference = [cuda_bf16.generate([p], GREEDY)[0] for p in prompts]
-    constrained = make_llm(device="cuda", dtype="bfloat16", num_kv_blocks=20,
-                           max_num_batched_tokens=64)
-    outputs = constrained.generate(prompts, GREEDY)
-    stats = constrained.engine.stats()
-    assert stats.prefix_cache_hits > 0 and stats.num_preemptions >= 1
-    assert stats.num_kv_blocks_used == 0
-    assert_parts_only_at_near_ties(outputs, reference)
+    check_prefix_cache_preemption_and_chunked_prefill(make_llm, cuda_bf16, device="cuda")
 
 
 def test_seeded_sampling_on_cuda_is_reproducible_and_top_k_1_is_greedy(cuda_bf16) -> None:

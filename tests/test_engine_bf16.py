@@ -25,19 +25,32 @@ def llm_bf16(make_llm):
     return make_llm(dtype="bfloat16")
 
 
-def test_bf16_batch_invariance(llm_bf16):
+def check_batch_invariance(llm) -> None:
+    """16 varied prompts batched against each alone (also run on CUDA by test_cuda.py)."""
     prompts = varied_prompts(16)
-    batched = llm_bf16.generate(prompts, PARAMS)
-    alone = [llm_bf16.generate([p], PARAMS)[0] for p in prompts]
+    batched = llm.generate(prompts, PARAMS)
+    alone = [llm.generate([p], PARAMS)[0] for p in prompts]
     assert_parts_only_at_near_ties(batched, alone)
 
 
-def test_bf16_prefix_cache_preemption_and_chunked_prefill(make_llm, llm_bf16):
+def check_prefix_cache_preemption_and_chunked_prefill(make_llm, llm, **options) -> None:
+    """Prompts sharing a system prompt through a pool too small for them and 64-token steps,
+    against each alone on `llm`; `options` (a device) are the constrained engine's too."""
     prompts = [SYSTEM_PROMPT + question for question in
                ("How do backups work?", "What are the support hours?", "How is storage billed?")]
-    reference = [llm_bf16.generate([p], PARAMS)[0] for p in prompts]
-    constrained = make_llm(dtype="bfloat16", num_kv_blocks=20, max_num_batched_tokens=64)
+    reference = [llm.generate([p], PARAMS)[0] for p in prompts]
+    constrained = make_llm(dtype="bfloat16", num_kv_blocks=20, max_num_batched_tokens=64,
+                           **options)
     outputs = constrained.generate(prompts, PARAMS)
     stats = constrained.engine.stats()
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions >= 1
+    assert stats.num_kv_blocks_used == 0
     assert_parts_only_at_near_ties(outputs, reference)
+
+
+def test_bf16_batch_invariance(llm_bf16):
+    check_batch_invariance(llm_bf16)
+
+
+def test_bf16_prefix_cache_preemption_and_chunked_prefill(make_llm, llm_bf16):
+    check_prefix_cache_preemption_and_chunked_prefill(make_llm, llm_bf16)
