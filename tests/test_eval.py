@@ -10,6 +10,7 @@ from tokenmill import EngineConfig
 from tokenmill.cli import main
 from tokenmill.eval.configs import parse_config, parse_configs
 from tokenmill.eval.questions import Question, is_correct, load_questions, normalise
+from tokenmill.eval import report as report_module
 from tokenmill.eval.report import ConfigResult, EvalOptions, EvalReport, run_eval
 from tokenmill.model.loader import DEFAULT_MODEL
 
@@ -40,6 +41,26 @@ def test_question_set_and_normalisation() -> None:
     assert not is_correct("Shakespeare wrote it.", question)
     assert is_correct("14 + 28 = 42", Question("arithmetic", "?", ("42",)))
     assert not is_correct("The answer is 42 or 43", Question("arithmetic", "?", ("42",)))
+
+
+def test_every_configuration_is_measured_on_a_fresh_engine(smollm, monkeypatch) -> None:
+    """The reference's engine made the inputs (its greedy continuations) too; its measurement
+    must not start from the prefix cache they left, or its bf16 figures differ from an
+    identical configuration's."""
+    measure, queries = report_module._measure, []
+
+    def spy(llm, *args, **kwargs):
+        queries.append(llm.engine.stats().prefix_cache_queries)
+        return measure(llm, *args, **kwargs)
+
+    monkeypatch.setattr(report_module, "_measure", spy)
+    base = EngineConfig(model=DEFAULT_MODEL, dtype="bfloat16", num_kv_blocks=512)
+    report = run_eval(base, parse_config("none"), parse_configs("bf16"), EvalOptions(**SMALL),
+                      smollm)
+    assert queries == [0, 0]
+    reference, same = report.results
+    assert (same.perplexity, same.agreement, same.accuracy) == \
+        (reference.perplexity, reference.agreement, reference.accuracy)
 
 
 def test_eval_table_on_smollm2(smollm) -> None:
