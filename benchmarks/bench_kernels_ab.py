@@ -7,7 +7,8 @@ A pass calls every decode product of SmolLM2 in model order (30 layers of qkv, o
 down, then the lm_head), each with its own random weight, so every weight comes from memory as
 in decode; bf16 weights go to linear_bf16 as they lie (its few-row tiles, or AMX tiles from 3
 rows), int4 layers are group 128 with rotated inputs, as `gptq-hadamard` makes them (the lm_head
-without), and gguf layers Q4_1's groups of 32 through linear_int4_exact. The `attention` format
+without), and gguf layers Q4_1's groups of 32 through linear_int4_exact, the lm_head Q8_0's
+int8 codes with a scale per 32 through linear_int8, as SmolLM2's GGUF file holds them. The `attention` format
 instead runs bf16 decode attention over 30 layers' own KV caches (SmolLM2's heads, blocks of 16),
 `--rows` sequences of 84 to 364 cached tokens (the prompts of bench_engine.py plus half their
 output; `--context N`: N each), so the cache comes from memory as in a decode step; `prefill`
@@ -82,6 +83,10 @@ def model_layers(quantization: str) -> list[QuantizedLinear | torch.Tensor]:
             layers.append(weight)
         elif quantization == "int8":
             layers.append(Int8Linear.quantize(weight))
+        elif quantization == "gguf" and index == len(shapes) - 1:  # SmolLM2's Q8_0 lm_head
+            codes = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
+            scales = torch.rand(out_features, in_features // 32) / 64
+            layers.append(Int8Linear(codes, scales, None, torch.bfloat16, exact=True))
         elif quantization == "gguf":  # Q4_1's layout: groups of 32, linear_int4_exact
             layers.append(Int4Linear.quantize(weight, 32))
         else:
@@ -175,7 +180,7 @@ def product(kernels: ModuleType, layer: QuantizedLinear | torch.Tensor, x: torch
     if isinstance(layer, torch.Tensor):
         return kernels.linear_bf16(x, layer, None)
     if isinstance(layer, Int8Linear):
-        return kernels.linear_int8(x, layer.codes, layer.kernel_scales, layer.bias)
+        return kernels.linear_int8(x, layer.codes, layer.own_kernel_scales, layer.bias)
     if layer.group_size == 32:
         return kernels.linear_int4_exact(x, layer.codes, layer.scales, layer.mins, layer.bias)
     return kernels.linear_int4(x, layer.codes, layer.scales, layer.mins, layer.group_size,

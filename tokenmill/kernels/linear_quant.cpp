@@ -147,14 +147,22 @@ inline void widen_int8_columns(const int8_t* codes, int64_t in_features, int64_t
 // Columns [k0, k1) of `rows` int8 rows with a float32 scale a group (group_size a multiple of 32)
 // -> bfloat16 as widen_int8_columns lays them out: code * scale rounded to float32, then to
 // bfloat16, the values dequantize_int8 gives.
+// The group walks along with k: a division a 32 values (Q8_0's groups are 32 wide) had been a
+// 64-bit divide for every store.
 inline void widen_scaled_int8_columns(const int8_t* codes, const float* scales,
                                       int64_t in_features, int64_t group_size, int64_t rows,
                                       int64_t k0, int64_t k1, uint16_t* out, int64_t stride) {
-  const int64_t groups = in_features / group_size;
-  for (int64_t r = 0; r < rows; ++r)
+  const int64_t groups = in_features / group_size, first_group = k0 / group_size;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* group_scale = scales + r * groups + first_group;
+    int64_t group_end = (first_group + 1) * group_size;
     for (int64_t k = k0; k < k1; k += 32) {
+      if (k == group_end) {
+        ++group_scale;
+        group_end += group_size;
+      }
       const int8_t* at = codes + r * in_features + k;
-      const __m512 scale = _mm512_set1_ps(scales[r * groups + k / group_size]);
+      const __m512 scale = _mm512_set1_ps(*group_scale);
       const auto half = [&](int64_t offset) {
         return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + offset)))),
@@ -163,6 +171,7 @@ inline void widen_scaled_int8_columns(const int8_t* codes, const float* scales,
       _mm512_storeu_si512(out + r * stride + k - k0,
                           (__m512i)_mm512_cvtne2ps_pbh(half(16), half(0)));
     }
+  }
 }
 
 // int4 rows are padded / 2 bytes in groups (group_width): byte i of a group `width` wide holds
