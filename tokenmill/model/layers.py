@@ -143,9 +143,14 @@ PACKED_ROWS_HINT = 64
 # streamed, 1.16x at 32, 0.96x at 48 and 64, and the lm_head 0.69x at 64 rows
 # (results/linear_bf16-amx-10226fd.json). 32 there instead of 64: the 64-sequence bf16 engine run
 # 894.5 / 897.6 / 922.4 -> 922.6 / 911.8 / 934.8 tokens/s (bench_engine.py --engines tokenmill,
-# the two alternating, session 17).
-# gguf's exact layers (quant/gguf.py) take their codes to the same kernel up to here.
-FEW_ROWS_MAX = 32
+# the two alternating, session 17). Since the AMX kernel's spread prefetch it takes 0.97x
+# oneDNN's time on the 30 layers' products at 64 rows, streamed (the lm_head alone, in cache,
+# 1.15x; results/linear_bf16-amx-s24.json),
+# so with AMX it runs up to 64: 64-row bf16 steps 40.8 against 42.3 ms (medians of five
+# alternating profile_engine_steps.py runs, session 24), and gguf's exact layers, which take
+# their codes to the same kernel up to here instead of de-quantizing W for oneDNN, 41.4 against
+# 127 ms.
+FEW_ROWS_MAX = 64 if cpu_has_amx() else 32
 
 
 def _few_rows_kernel(weight: torch.Tensor) -> bool:
