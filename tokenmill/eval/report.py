@@ -110,28 +110,26 @@ def run_eval(base: EngineConfig, reference: EvalConfig, configs: list[EvalConfig
     """`loaded`: weights already read (float32), shared by every configuration's engine."""
     loaded = loaded or load_model(base.model, torch.float32)
     ordered = [reference] + [c for c in configs if c.name != reference.name]
-    inputs: _Inputs | None = None
+    # The inputs come from an engine of their own: generating the continuations leaves their
+    # blocks in its prefix cache, and a bf16 step over cached blocks rounds unlike one that
+    # computes them, so the reference is measured on a fresh engine as every configuration is
+    # (SmolLM2's accuracy had read 38.3% for the reference and 40.0% for gguf, whose numbers
+    # are the reference's own).
+    llm = LLM.from_engine(LLMEngine(reference.engine_config(base), loaded))
+    inputs = _Inputs(documentation_tokens(llm.engine.tokenize, options.num_tokens),
+                     reference_continuations(llm, options.agreement_prompts,
+                                             options.agreement_tokens),
+                     load_questions(options.max_questions))
+    del llm
     results: list[ConfigResult] = []
     for config in ordered:
         llm = LLM.from_engine(LLMEngine(config.engine_config(base), loaded))
-        if inputs is None:
-            inputs = _Inputs(documentation_tokens(llm.engine.tokenize,
-                                                  options.num_tokens),
-                             reference_continuations(llm, options.agreement_prompts,
-                                                     options.agreement_tokens),
-                             load_questions(options.max_questions))
-            # Measured on a fresh engine, as every configuration is: generating the
-            # continuations left their blocks in the prefix cache, and a bf16 step over cached
-            # blocks rounds unlike one that computes them (SmolLM2's accuracy read 38.3% for
-            # the reference and 40.0% for gguf, whose numbers are the reference's own).
-            del llm
-            llm = LLM.from_engine(LLMEngine(config.engine_config(base), loaded))
         results.append(_measure(llm, config.name, inputs, options,
                                 results[0].perplexity if results else None))
         del llm
         gc.collect()
     return EvalReport(base.model, options, reference.name, results,
-                      slice_description(inputs.perplexity_tokens) if inputs else "")
+                      slice_description(inputs.perplexity_tokens))
 
 
 def _measure(llm: LLM, name: str, inputs: _Inputs, options: EvalOptions,
