@@ -121,23 +121,23 @@ class PagedAttention:
             if self.key_smoothing is not None:  # powers of two: exact, q.k unchanged
                 q, k = q * self.query_smoothing, k / self.key_smoothing
         # The step's int8 rows, K's then V's, where they are made here (one pass for both).
-        rows = None
+        int8_rows = None
         kernels = fused_kernels(q)
         if kernels is not None:  # quantizes the rows for an int8 cache, as quantize_rows does
             kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
             if int8_cache:
-                rows = quantize_rows(torch.stack((k, v)))
-            cached_k, cached_v = (k, v) if rows is None else rows.unbind()
+                int8_rows = quantize_rows(torch.stack((k, v)))
+            cached_k, cached_v = (k, v) if int8_rows is None else int8_rows.unbind()
             k_cache.view(-1, *cached_k.shape[1:]).index_copy_(0, meta.slot_mapping, cached_k)
             v_cache.view(-1, *cached_v.shape[1:]).index_copy_(0, meta.slot_mapping, cached_v)
         if int8_cache and any(chunk.seq_lens is None for chunk in meta.prefills):
             # SDPA prefill attends to this step's K/V directly; give it what the cache holds,
             # so that a later step (a prefix-cache hit, a recompute after preemption) reads
             # these tokens back as exactly these values.
-            if rows is None:
-                rows = quantize_rows(torch.stack((k, v)))
-            k, v = dequantize_rows(rows, q.dtype).unbind()
+            if int8_rows is None:
+                int8_rows = quantize_rows(torch.stack((k, v)))
+            k, v = dequantize_rows(int8_rows, q.dtype).unbind()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
