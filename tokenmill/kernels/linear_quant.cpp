@@ -146,9 +146,9 @@ inline void widen_int8_columns(const int8_t* codes, int64_t in_features, int64_t
 
 // Columns [k0, k1) of `rows` int8 rows with a float32 scale a group (group_size a multiple of 32)
 // -> bfloat16 as widen_int8_columns lays them out: code * scale rounded to float32, then to
-// bfloat16, the values dequantize_int8 gives.
-// The group walks along with k: a division a 32 values (Q8_0's groups are 32 wide) had been a
-// 64-bit divide for every store.
+// bfloat16, the values dequantize_int8 gives. The group walks along with k: finding it by
+// k / group_size had cost a 64-bit division every 32 values (a gguf pass over SmolLM2, whose
+// Q8_0 lm_head this widens, took 0.94-0.95x the time without it).
 inline void widen_scaled_int8_columns(const int8_t* codes, const float* scales,
                                       int64_t in_features, int64_t group_size, int64_t rows,
                                       int64_t k0, int64_t k1, uint16_t* out, int64_t stride) {

@@ -145,11 +145,11 @@ PACKED_ROWS_HINT = 64
 # 894.5 / 897.6 / 922.4 -> 922.6 / 911.8 / 934.8 tokens/s (bench_engine.py --engines tokenmill,
 # the two alternating, session 17). Since the AMX kernel's spread prefetch it takes 0.97x
 # oneDNN's time on the 30 layers' products at 64 rows, streamed (the lm_head alone, in cache,
-# 1.15x; results/linear_bf16-amx-s24.json),
-# so with AMX it runs up to 64: 64-row bf16 steps 40.8 against 42.3 ms (medians of five
-# alternating profile_engine_steps.py runs, session 24), and gguf's exact layers, which take
-# their codes to the same kernel up to here instead of de-quantizing W for oneDNN, 41.4 against
-# 127 ms.
+# 1.15x; 0.94x and 0.85x oneDNN's speed at 96 and 128 rows; results/linear_bf16-amx-s24.json,
+# linear_bf16-amx-96-128-s24.json), so with AMX it runs up to 64: 64-row bf16 steps 40.8 against
+# 42.3 ms (medians of five alternating profile_engine_steps.py runs, session 24). gguf's exact
+# layers take their codes to the same kernel up to here instead of de-quantizing W for oneDNN:
+# 64-row gguf steps 41.4 against 127 ms.
 FEW_ROWS_MAX = 64 if cpu_has_amx() else 32
 
 
