@@ -125,10 +125,15 @@ std::vector<uint32_t> pair_interleaved(const torch::Tensor& x) {
 // `ahead` (the next block's rows as stored: bfloat16, or the codes widened into w; row_bytes
 // apart, step_bytes of each a step of K), each step asks for the lines of the next block that
 // it reads of this one (kernels/prefetch.cpp): 32 rows of x over SmolLM2's bf16 products in
-// 0.71x the time (benchmarks/bench_kernels_ab.py --formats bf16, AMX VM).
+// 0.71x the time (benchmarks/bench_kernels_ab.py --formats bf16, AMX VM). Where x takes
+// `passes` passes over the block (more than 32 rows), pass p asks only for rows p, p + passes,
+// ..., so memory serves the next block evenly over all of them: asked for on the first pass
+// alone, 48 and 64 rows took 1.10-1.14x the time, 1.01x at 32 (one pass either way).
 template <int NW, int NX, typename WAt>
 inline void amx_block(WAt w_at, const uint32_t* x_tiles, int64_t x_block_stride, int64_t steps,
-                      float* sums, const char* ahead, int64_t row_bytes, int64_t step_bytes) {
+                      float* sums, const char* ahead, int64_t row_bytes, int64_t step_bytes,
+                      int64_t pass, int64_t passes) {
+  const int64_t ahead_rows = (NW * kTileRows - pass + passes - 1) / passes;
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -137,7 +142,7 @@ inline void amx_block(WAt w_at, const uint32_t* x_tiles, int64_t x_block_stride,
     const auto [ws, w_stride] = w_at(s);
     const uint32_t* xs = x_tiles + s * kTileElements / 2;
     if (ahead != nullptr && s * step_bytes % 64 < step_bytes)  // a step that starts a line
-      prefetch_rows(ahead, NW * kTileRows, row_bytes, s * step_bytes);
+      prefetch_rows(ahead + pass * row_bytes, ahead_rows, passes * row_bytes, s * step_bytes);
     _tile_loadd(4, ws, w_stride * 2);
     _tile_loadd(6, xs, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -248,15 +253,15 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
       for (int64_t xb = 0; xb < x_blocks; xb += 2) {
         const uint32_t* xs = x_tiles.data() + xb * x_block_stride;
         const bool two_x = xb + 1 < x_blocks;
-        // Asked for on the first pass over a block.
-        const char* ahead = xb == 0 && block + 1 < end
+        const char* ahead = block + 1 < end
             ? static_cast<const char*>(stored) + (n0 + kBlockOutputs) * stored_row_bytes
             : nullptr;
         const int64_t step_bytes = stored_row_bytes / steps;
         const auto run = [&](auto w_at) {
           with_block_shape(outputs == kBlockOutputs, two_x, [&](auto nw, auto nx) {
             amx_block<decltype(nw)::value, decltype(nx)::value>(
-                w_at, xs, x_block_stride, steps, sums, ahead, stored_row_bytes, step_bytes);
+                w_at, xs, x_block_stride, steps, sums, ahead, stored_row_bytes, step_bytes,
+                xb / 2, (x_blocks + 1) / 2);
           });
         };
         if (sliced)
