@@ -146,11 +146,15 @@ PACKED_ROWS_HINT = 64
 # the two alternating, session 17). Since the AMX kernel's spread prefetch it takes 0.97x
 # oneDNN's time on the 30 layers' products at 64 rows, streamed (the lm_head alone, in cache,
 # 1.15x; 0.94x and 0.85x oneDNN's speed at 96 and 128 rows; results/linear_bf16-amx-s24.json,
-# linear_bf16-amx-96-128-s24.json), so with AMX it runs up to 64: 64-row bf16 steps 40.8 against
-# 42.3 ms (medians of five alternating profile_engine_steps.py runs, session 24). gguf's exact
-# layers take their codes to the same kernel up to here instead of de-quantizing W for oneDNN:
-# 64-row gguf steps 41.4 against 127 ms.
-FEW_ROWS_MAX = 64 if cpu_has_amx() else 32
+# linear_bf16-amx-96-128-s24.json), so with AMX it ran up to 64: 64-row bf16 steps 40.8 against
+# 42.3 ms (medians of five alternating profile_engine_steps.py runs, session 24). Since the AMX
+# kernel asks for the next block of W over every pass of x, it takes 0.93x oneDNN's time
+# at 64 rows, 0.95-1.02x at 80 and 96, and 1.10x at 112 and 128 (results/linear_bf16-amx-s25-*.json),
+# so with AMX it runs up to 96. gguf's exact layers take their codes to the same kernel up to
+# here instead of de-quantizing W for oneDNN: 64-row gguf steps 41.4 against 127 ms (session 24),
+# 96-row ones 55.5 against 145.8, where bf16's took 53.1 against 54.6 (profile_engine_steps.py
+# --num-prompts 96, session 25).
+FEW_ROWS_MAX = 96 if cpu_has_amx() else 32
 
 
 def _few_rows_kernel(weight: torch.Tensor) -> bool:
