@@ -72,6 +72,11 @@ def test_prefix_caching_hits_and_keeps_output(make_llm):
     assert salted[0].num_cached_tokens == 0
     assert token_ids(salted) == reference[:1]
 
+    assert llm.reset_prefix_cache()
+    after_reset = llm.chat(conversations[:1], params)
+    assert after_reset[0].num_cached_tokens == 0
+    assert token_ids(after_reset) == reference[:1]
+
 
 def test_preemption_keeps_output(make_llm):
     prompts = varied_prompts(8)

@@ -90,3 +90,19 @@ def test_uncomputed_tokens_are_never_indexed():
     request.num_computed_tokens = 5  # only the first block is fully computed
     kv.commit_full_blocks(request)
     assert len(kv.pool.index) == 1
+
+
+def test_reset_prefix_cache_forgets_every_prefix_but_not_while_blocks_are_held():
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    held = make_request(list(range(12)), rid="a")
+    run_prefill(kv, held)
+    assert not kv.reset_prefix_cache()  # a request still holds its blocks
+    assert len(kv.find_cached_prefix(make_request(list(range(12))))) == 2
+    kv.free(held)
+    assert kv.reset_prefix_cache()
+    assert kv.find_cached_prefix(make_request(list(range(12)))) == []
+    assert all(block.key is None for block in kv.pool.blocks)
+    again = make_request(list(range(12)), rid="b")  # computed afresh, and cached again
+    run_prefill(kv, again)
+    assert len(kv.find_cached_prefix(make_request(list(range(12))))) == 2
+    kv.check_invariants([again])

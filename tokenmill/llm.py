@@ -68,6 +68,11 @@ class LLM:
             output.prompt = prompt
         return outputs
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so the next prompts compute from scratch (between runs
+        of a benchmark, say); False while requests are unfinished."""
+        return self.engine.reset_prefix_cache()
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:

@@ -270,6 +270,10 @@ class LLMEngine:
                              first.prompt_logprobs
                              if first.sampling_params.prompt_logprobs is not None else None)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name): True, or False while requests hold blocks."""
+        return self.kv_cache.reset_prefix_cache()
+
     @property
     def healthy(self) -> bool:
         return self.runner.healthy

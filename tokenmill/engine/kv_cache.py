@@ -72,6 +72,17 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free[block.block_id] = block
 
+    def forget_cached(self) -> bool:
+        """Empty the prefix index; False, forgetting nothing, while any block is in use, as vLLM's
+        reset: the running requests would go on indexing their blocks, so the cache would not
+        start empty."""
+        if len(self.free) != len(self.blocks):
+            return False
+        for block in self.index.values():
+            block.key = None
+        self.index.clear()
+        return True
+
     def register(self, block: KVBlock, key: BlockKey) -> None:
         # Two requests may compute the same content at once; the first copy stays indexed.
         if block.key is None and key not in self.index:
@@ -128,6 +139,9 @@ class KVCacheManager:
         request.num_committed_blocks += len(cached_prefix)
         request.block_ids.extend(b.block_id for b in self.pool.allocate(max(needed, 0)))
         return True
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.forget_cached()
 
     def commit_full_blocks(self, request: Request) -> None:
         """Index the request's newly completed blocks; only computed tokens are ever indexed."""
