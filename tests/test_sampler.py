@@ -174,3 +174,26 @@ def test_the_logprobs_kernel_gives_log_softmax_and_its_top_tokens(dtype, monkeyp
         for token, value in entry.items():
             assert abs(value - logprobs[row, token].item()) < 1e-5
         assert abs(entry[chosen[row]] - reference[row][chosen[row]]) < 1e-5
+
+
+def test_the_kernels_read_bfloat16_logits_as_their_float32_copy():
+    """The model hands the samplers its own dtype's logits: every kernel gives for bf16 rows
+    what it gives for their float32 copy (greedy, shaped draws, logprobs), bit for bit."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ compiler here")
+    generator = torch.Generator().manual_seed(5)
+    rows = 200
+    logits = (torch.randn(rows, 4099, generator=generator) * 3).bfloat16()
+    copy = logits.float()
+    assert torch.equal(kernels.argmax_rows(logits), kernels.argmax_rows(copy))
+    args = (torch.rand(rows, generator=generator) + 0.3,
+            torch.where(torch.arange(rows) % 2 == 0, 40, 0),
+            torch.where(torch.arange(rows) % 3 == 0, 0.9, 1.0),
+            torch.where(torch.arange(rows) % 5 == 0, 0.05, 0.0),
+            torch.rand(rows, generator=generator, dtype=torch.float64))
+    assert torch.equal(kernels.sample_rows(logits, *args), kernels.sample_rows(copy, *args))
+    chosen = torch.randint(0, 4099, (rows,), generator=generator)
+    for got, want in zip(kernels.logprob_rows(logits, chosen, 5),
+                         kernels.logprob_rows(copy, chosen, 5)):
+        assert torch.equal(got, want)

@@ -77,7 +77,7 @@ def sample(model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int) -
     input_ids, positions, meta = _prefill_inputs(model, prompts, tables)
     hidden = model(input_ids, positions, caches, meta)
     last_rows = torch.tensor(list(map(len, prompts)), device=device).cumsum(0) - 1
-    logits = model.compute_logits(hidden[last_rows])
+    logits = model.compute_logits(hidden[last_rows]).float()
     block_tables = torch.tensor(tables, device=device)
     use_kernel = decode_kernel_available(device)
     for step in range(new_tokens):
@@ -94,7 +94,7 @@ def sample(model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int) -
         mask = None if use_kernel else padding_mask(seq_lens, seq_blocks * BLOCK_SIZE,
                                                      model.norm.weight.dtype)
         meta = AttentionMetadata(slots, [], 0, block_tables, seq_lens, mask)
-        logits = model.compute_logits(model(tokens, positions, caches, meta))
+        logits = model.compute_logits(model(tokens, positions, caches, meta)).float()
     return sequences
 
 
