@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tokenmill import SamplingParams
+from tokenmill.engine.detokenizer import text_decoder
 from tests.prompts import SYSTEM_PROMPT, varied_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -155,6 +156,18 @@ def test_stop_strings_cut_text_and_set_finish_reason(llm_fp32):
     completion = cut.outputs[0]
     assert completion.finish_reason == "stop" and completion.stop_reason == stop
     assert completion.text == text[:text.index(stop)]
+
+
+def test_the_text_decoder_gives_the_tokenizers_text(smollm):
+    """The detokenizer's decode (the tokenizer's Rust backend, where that is all decode does)
+    gives tokenizer.decode's text: special tokens dropped, a split character as U+FFFD."""
+    tokenizer = smollm.tokenizer
+    decode = text_decoder(tokenizer)
+    ids = tokenizer.encode("Héllo wörld — 東京 🚀, <|im_end|> done", add_special_tokens=False)
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    for window in [ids, [special, *ids, special], *(ids[:n] for n in range(1, len(ids)))]:
+        assert decode(window) == tokenizer.decode(window, skip_special_tokens=True)
+    assert any(decode(ids[:n]).endswith("\ufffd") for n in range(1, len(ids)))
 
 
 def test_stop_token_ids(llm_fp32):

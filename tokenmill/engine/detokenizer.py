@@ -7,6 +7,8 @@ is held back too, so a streaming client never sees the start of a stop string.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
@@ -14,10 +16,23 @@ from transformers import PreTrainedTokenizerBase
 # Prompt tokens decoded in front of the output so the first output token gets its leading space.
 _CONTEXT_TOKENS = 6
 
+Decode = Callable[[list[int]], str]
+
+
+def text_decoder(tokenizer: PreTrainedTokenizerBase) -> Decode:
+    """Token ids -> text without special tokens, as `tokenizer.decode` gives it. A fast tokenizer
+    that cleans up no spaces decodes in its Rust backend directly, which is all transformers'
+    decode does then: its Python around that call was two thirds of the detokenizer's time
+    (two decodes a token a request; a step of 64 requests' tokens 0.47 against 0.16 ms)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not tokenizer.clean_up_tokenization_spaces:
+        return functools.partial(backend.decode, skip_special_tokens=True)
+    return functools.partial(tokenizer.decode, skip_special_tokens=True)
+
 
 @dataclass(slots=True)
 class IncrementalDetokenizer:
-    tokenizer: PreTrainedTokenizerBase
+    decode: Decode
     stop_strings: tuple[str, ...]
     include_stop: bool
     token_ids: list[int] = field(default_factory=list)
@@ -27,17 +42,15 @@ class IncrementalDetokenizer:
     stopped_on: str | None = None
 
     @classmethod
-    def for_prompt(cls, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
+    def for_prompt(cls, decode: Decode, prompt_token_ids: list[int],
                    stop_strings: tuple[str, ...], include_stop: bool) -> "IncrementalDetokenizer":
         context = prompt_token_ids[-_CONTEXT_TOKENS:]
-        return cls(tokenizer, stop_strings, include_stop, list(context), 0, len(context))
+        return cls(decode, stop_strings, include_stop, list(context), 0, len(context))
 
     def add_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix = decode(self.token_ids[self.prefix_offset:self.read_offset],
-                        skip_special_tokens=True)
-        full = decode(self.token_ids[self.prefix_offset:], skip_special_tokens=True)
+        prefix = self.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self.decode(self.token_ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return  # an incomplete character: wait for the next token
         delta = full[len(prefix):]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.detokenizer import IncrementalDetokenizer, text_decoder
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.metrics import EngineStats
 from tokenmill.engine.model_runner import ModelRunner
@@ -53,6 +53,7 @@ class LLMEngine:
         loaded = loaded or load_model(config.model, config.torch_dtype())
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.decode_text = text_decoder(loaded.tokenizer)
         self.chat_template = loaded.chat_template
         model_len = loaded.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_len:
@@ -122,7 +123,7 @@ class LLMEngine:
                 request.prompt_logprobs = [None] * len(token_ids)
             sequences.append(request)
             detokenizers.append(IncrementalDetokenizer.for_prompt(
-                self.tokenizer, token_ids, params.stop_strings, params.include_stop_str_in_output))
+                self.decode_text, token_ids, params.stop_strings, params.include_stop_str_in_output))
         self.groups[request_id] = _Group(request_id, prompt if isinstance(prompt, str) else None,
                                          token_ids, sequences, detokenizers)
         for request in sequences:
