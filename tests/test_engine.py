@@ -202,6 +202,29 @@ def test_bad_sampling_params_name_the_parameter():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-0.5)
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")
+
+
+def test_final_only_requests_give_one_output_when_they_finish(llm_fp32):
+    """A cumulative request has an output every step it advances, a final_only one only the
+    finished one, with the same tokens and text; LLM.generate asks for final_only."""
+    engine = llm_fp32.engine
+    for kind in ("cumulative", "final_only"):
+        engine.add_request(kind, "The capital of France is",
+                           SamplingParams(temperature=0.0, max_tokens=6, output_kind=kind))
+    seen: dict[str, list] = {"cumulative": [], "final_only": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen[output.request_id].append(output)
+    assert len(seen["cumulative"]) == 6 and not any(o.finished for o in seen["cumulative"][:-1])
+    [final] = seen["final_only"]
+    assert final.finished
+    assert final.outputs[0].token_ids == seen["cumulative"][-1].outputs[0].token_ids
+    assert final.outputs[0].text == seen["cumulative"][-1].outputs[0].text
+    [offline] = llm_fp32.generate(["The capital of France is"],
+                                  SamplingParams(temperature=0.0, max_tokens=6))
+    assert offline.outputs[0].token_ids == final.outputs[0].token_ids
 
 
 def test_unknown_model_name_is_a_clear_error():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -40,6 +41,9 @@ class LLM:
             else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        # Only finished outputs are returned, so the engine builds no others (as vLLM's LLM).
+        final = {id(p): dataclasses.replace(p, output_kind="final_only") for p in params}
+        params = [final[id(p)] for p in params]
         # Tokenize and check everything first, so a bad prompt leaves no half-queued batch.
         token_ids = [self.engine.tokenize(p) for p in prompts]
         ids = []

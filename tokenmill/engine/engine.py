@@ -242,6 +242,9 @@ class LLMEngine:
             if group is None or group_id in seen:
                 continue
             seen.add(group_id)
+            if not group.finished and \
+                    group.sequences[0].sampling_params.output_kind == "final_only":
+                continue
             outputs.append(self._output(group))
             if group.finished:
                 del self.groups[group_id]
