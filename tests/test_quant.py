@@ -363,12 +363,16 @@ def test_gguf_blocks_map_exactly(types: tuple[GGMLType, ...]) -> None:
 
 @pytest.mark.parametrize("types", [(GGMLType.Q8_0,), (GGMLType.Q4_0,), (GGMLType.Q4_1,),
                                    (GGMLType.Q4_1, GGMLType.Q4_0, GGMLType.Q4_1)])
-def test_gguf_layers_in_bfloat16_give_the_float_layers_numbers(types: tuple[GGMLType, ...]) -> None:
+@pytest.mark.parametrize("in_features", [192, 224])
+def test_gguf_layers_in_bfloat16_give_the_float_layers_numbers(types: tuple[GGMLType, ...],
+                                                               in_features: int) -> None:
     """Where the bf16 float model multiplies by linear_bf16, the exact kernels widen the codes to
     its weights and sum as it does; past FEW_ROWS_MAX both run float_product (oneDNN's packed
-    product, F.linear past PACKED_MAX_ROWS)."""
+    product, F.linear past PACKED_MAX_ROWS). K 224, an odd number of groups of 32, takes the
+    int4 rows widened into a buffer where 192 widens them in registers."""
     rng = np.random.default_rng(1)
-    parts = [((rng.standard_normal((32, 192)) * 0.1).astype(np.float32), t) for t in types]
+    parts = [((rng.standard_normal((32, in_features)) * 0.1).astype(np.float32), t)
+             for t in types]
     bias = torch.randn(32 * len(types)).bfloat16()
     layer = gguf_linear([gguf_blocks(v, t) for v, t in parts], bias, torch.bfloat16,
                         torch.device("cpu"))
@@ -377,7 +381,7 @@ def test_gguf_layers_in_bfloat16_give_the_float_layers_numbers(types: tuple[GGML
         assert layer.packed_max_rows == FEW_ROWS_MAX
     for rows in (1, 3, 4, 5, FEW_ROWS_MAX, FEW_ROWS_MAX + 1, 40, PACKED_MAX_ROWS,
                  PACKED_MAX_ROWS + 1, 2 * PACKED_MAX_ROWS + 3):
-        x = torch.randn(rows, 192).bfloat16()
+        x = torch.randn(rows, in_features).bfloat16()
         assert torch.equal(layer(x), float_layer(x)), rows
 
 

@@ -144,11 +144,22 @@ inline void widen_int8_columns(const int8_t* codes, int64_t in_features, int64_t
                           (__m512i)widen_int8(codes + r * in_features + k));
 }
 
+// 32 int8 codes times their group's scale as bfloat16: code * scale rounded to float32, then to
+// bfloat16, the values dequantize_int8 gives.
+inline __m512bh widen_scaled_int8(const int8_t* at, float group_scale) {
+  const __m512 scale = _mm512_set1_ps(group_scale);
+  const auto half = [&](int64_t offset) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + offset)))),
+                         scale);
+  };
+  return _mm512_cvtne2ps_pbh(half(16), half(0));
+}
+
 // Columns [k0, k1) of `rows` int8 rows with a float32 scale a group (group_size a multiple of 32)
-// -> bfloat16 as widen_int8_columns lays them out: code * scale rounded to float32, then to
-// bfloat16, the values dequantize_int8 gives. The group walks along with k: finding it by
-// k / group_size had cost a 64-bit division every 32 values (a gguf pass over SmolLM2, whose
-// Q8_0 lm_head this widens, took 0.94-0.95x the time without it).
+// -> bfloat16 (widen_scaled_int8) as widen_int8_columns lays them out. The group walks along
+// with k: finding it by k / group_size had cost a 64-bit division every 32 values (a gguf pass
+// over SmolLM2, whose Q8_0 lm_head this widens, took 0.94-0.95x the time without it).
 inline void widen_scaled_int8_columns(const int8_t* codes, const float* scales,
                                       int64_t in_features, int64_t group_size, int64_t rows,
                                       int64_t k0, int64_t k1, uint16_t* out, int64_t stride) {
@@ -161,17 +172,42 @@ inline void widen_scaled_int8_columns(const int8_t* codes, const float* scales,
         ++group_scale;
         group_end += group_size;
       }
-      const int8_t* at = codes + r * in_features + k;
-      const __m512 scale = _mm512_set1_ps(*group_scale);
-      const auto half = [&](int64_t offset) {
-        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + offset)))),
-                             scale);
-      };
       _mm512_storeu_si512(out + r * stride + k - k0,
-                          (__m512i)_mm512_cvtne2ps_pbh(half(16), half(0)));
+                          (__m512i)widen_scaled_int8(codes + r * in_features + k, *group_scale));
     }
   }
+}
+
+// linear_bf16.cpp's tile on the values widen_scaled_int8_columns gives, widened in registers
+// instead of into a buffer the tile reads back: the same VDPBF16PS on the same values in the
+// same order, so the same sums, bit for bit (gguf's Q8_0 layers).
+template <int MT>
+inline void scaled_int8_tile(const uint16_t* x, int64_t x_stride, const int8_t* codes,
+                             const float* scales, int64_t in_features, int64_t group_size,
+                             float out[kInputRows][kWeightRows]) {
+  const int64_t groups = in_features / group_size;
+  __m512 acc[MT][kWeightRows];
+#pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 4
+    for (int n = 0; n < kWeightRows; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t k = 0, g = 0, group_end = group_size; k < in_features; k += 32) {
+    if (k == group_end) {
+      ++g;
+      group_end += group_size;
+    }
+    __m512bh inputs[MT];
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m) inputs[m] = (__m512bh)_mm512_loadu_si512(x + m * x_stride + k);
+#pragma GCC unroll 4
+    for (int n = 0; n < kWeightRows; ++n) {
+      const __m512bh w = widen_scaled_int8(codes + n * in_features + k, scales[n * groups + g]);
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], inputs[m], w);
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m) store_sums(acc[m], out[m]);
 }
 
 // int4 rows are padded / 2 bytes in groups (group_width): byte i of a group `width` wide holds
@@ -213,39 +249,85 @@ inline __m512i lookup_int4_16(const uint8_t* bytes, __m512i table) {
   return _mm512_permutexvar_epi16(indices, table);
 }
 
-// widen_int4_columns for groups of 32 (GGUF's Q4_0 and Q4_1), k0 and k1 multiples of 64: two
-// groups a lookup, their tables in one register, the second's levels at 16..31. A group's own
-// loop (the table, the widening, the lookup, its bounds) had been a third of gguf's 32-row
-// product (perf, AMX VM).
+// Values k..k + 63 of an int4 row of groups of 32 (GGUF's Q4_0 and Q4_1; k a multiple of 64) as
+// bfloat16, in order: values k..k + 31 in `first`, the next 32 in `second`. Two groups a lookup,
+// their tables in one register, the second's levels at 16..31; each level is code * scale, then
+// + min, each rounded to float32, then to bfloat16: the values dequantize_int4 gives.
+inline void widen_int4_64(const uint8_t* bytes, const float* scales, const float* mins, int64_t k,
+                          __m512i& first, __m512i& second) {
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i upper = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
+  const __m512i nibble = _mm512_set1_epi16(0x0F);
+  const int64_t g = k / 32;
+  const auto level_values = [&](int64_t group) {
+    return _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(scales[group])),
+                         _mm512_set1_ps(mins[group]));
+  };
+  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(level_values(g + 1), level_values(g));
+  const __m512i wide = _mm512_cvtepu8_epi16(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + k / 2)));
+  const __m512i low = _mm512_permutexvar_epi16(
+      _mm512_or_si512(_mm512_and_si512(wide, nibble), upper), table);
+  const __m512i high = _mm512_permutexvar_epi16(
+      _mm512_or_si512(_mm512_srli_epi16(wide, 4), upper), table);
+  first = _mm512_inserti64x4(low, _mm512_castsi512_si256(high), 1);
+  second = _mm512_shuffle_i64x2(low, high, _MM_SHUFFLE(3, 2, 3, 2));
+}
+
+// widen_int4_columns for groups of 32, k0 and k1 multiples of 64. A group's own loop (the table,
+// the widening, the lookup, its bounds) had been a third of gguf's 32-row product (perf, AMX VM).
 inline void widen_int4_pairs(const uint8_t* codes, const float* scales, const float* mins,
                              int64_t padded, int64_t k0, int64_t k1, uint16_t* out,
                              int64_t stride) {
   const int64_t groups = padded / 32;
-  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i second = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
-  const __m512i nibble = _mm512_set1_epi16(0x0F);
   for (int64_t row = 0; row < kWeightRows; ++row) {
-    const uint8_t* bytes = codes + row * padded / 2;
-    const float* row_scales = scales + row * groups;
-    const float* row_mins = mins + row * groups;
     uint16_t* row_out = out + row * stride - k0;
     for (int64_t k = k0; k < k1; k += 64) {
-      const int64_t g = k / 32;
-      const auto level_values = [&](int64_t group) {  // as int4_table: code * scale, then + min
-        return _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(row_scales[group])),
-                             _mm512_set1_ps(row_mins[group]));
-      };
-      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(level_values(g + 1), level_values(g));
-      const __m512i wide = _mm512_cvtepu8_epi16(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + k / 2)));
-      const __m512i low = _mm512_permutexvar_epi16(
-          _mm512_or_si512(_mm512_and_si512(wide, nibble), second), table);
-      const __m512i high = _mm512_permutexvar_epi16(
-          _mm512_or_si512(_mm512_srli_epi16(wide, 4), second), table);
-      _mm512_storeu_si512(row_out + k, _mm512_inserti64x4(low, _mm512_castsi512_si256(high), 1));
-      _mm512_storeu_si512(row_out + k + 32, _mm512_shuffle_i64x2(low, high, _MM_SHUFFLE(3, 2, 3, 2)));
+      __m512i first, second;
+      widen_int4_64(codes + row * padded / 2, scales + row * groups, mins + row * groups, k,
+                    first, second);
+      _mm512_storeu_si512(row_out + k, first);
+      _mm512_storeu_si512(row_out + k + 32, second);
     }
   }
+}
+
+// linear_bf16.cpp's tile on the values widen_int4_pairs gives, widened in registers instead of
+// into a buffer that the tile reads back: the same VDPBF16PS on the same values in the same order,
+// so the same sums, bit for bit. K (padded) a multiple of 64. With scaled_int8_tile for gguf's
+// Q8_0 lm_head, SmolLM2's 30 layers and lm_head from memory took 0.87x the time at one row and
+// 0.90x at two (benchmarks/bench_kernels_ab.py --formats gguf, AMX VM).
+template <int MT>
+inline void int4_exact_tile(const uint16_t* x, int64_t x_stride, const uint8_t* codes,
+                            const float* scales, const float* mins, int64_t padded,
+                            float out[kInputRows][kWeightRows]) {
+  const int64_t groups = padded / 32;
+  __m512 acc[MT][kWeightRows];
+#pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 4
+    for (int n = 0; n < kWeightRows; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < padded; k += 64) {
+    __m512bh inputs[MT][2];
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h)
+        inputs[m][h] = (__m512bh)_mm512_loadu_si512(x + m * x_stride + k + 32 * h);
+#pragma GCC unroll 4
+    for (int n = 0; n < kWeightRows; ++n) {
+      __m512i first, second;
+      widen_int4_64(codes + n * padded / 2, scales + n * groups, mins + n * groups, k, first,
+                    second);
+#pragma GCC unroll 4
+      for (int m = 0; m < MT; ++m) {
+        acc[m][n] = _mm512_dpbf16_ps(acc[m][n], inputs[m][0], (__m512bh)first);
+        acc[m][n] = _mm512_dpbf16_ps(acc[m][n], inputs[m][1], (__m512bh)second);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MT; ++m) store_sums(acc[m], out[m]);
 }
 
 // Columns [k0, k1) of kWeightRows int4 rows -> bfloat16 in `out` (column k0 first, rows `stride`
@@ -859,6 +941,16 @@ struct Int4Weights {
           },
           nullptr, bias.values, codes, padded / 2);
 #endif
+    if (group_size == 32 && padded % 64 == 0)
+      return few_rows_product(
+          xo, out_features, 0, [](int64_t n0, uint16_t*) { return n0; },
+          [&](auto mt, int64_t n0, const uint16_t* xm, int64_t x_stride, int64_t,
+              float sums[kInputRows][kWeightRows]) {
+            int4_exact_tile<decltype(mt)::value>(xm, x_stride, codes + n0 * padded / 2,
+                                                 scales + n0 * groups, mins + n0 * groups,
+                                                 padded, sums);
+          },
+          [&](int64_t n, float sum) { return sum + bias[n]; }, prefetch());
     return few_rows_product(
         xo, out_features, kWeightRows * padded,
         [&](int64_t n0, uint16_t* scratch) {
@@ -916,15 +1008,14 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
           nullptr, b.values, cs, in_features);
 #endif
     return few_rows_product(
-        x, out_features, kWeightRows * in_features,
-        [&](int64_t n0, uint16_t* scratch) {
-          widen_scaled_int8_columns(cs + n0 * in_features, ss + n0 * groups, in_features,
-                                    in_features / groups, kWeightRows, 0, in_features, scratch,
-                                    in_features);
-          return static_cast<const uint16_t*>(scratch);
+        x, out_features, 0, [](int64_t n0, uint16_t*) { return n0; },
+        [&](auto mt, int64_t n0, const uint16_t* xm, int64_t x_stride, int64_t,
+            float sums[kInputRows][kWeightRows]) {
+          scaled_int8_tile<decltype(mt)::value>(xm, x_stride, cs + n0 * in_features,
+                                                ss + n0 * groups, in_features,
+                                                in_features / groups, sums);
         },
-        BFloat16Rows{in_features, in_features}, [&](int64_t n, float sum) { return sum + b[n]; },
-        prefetch);
+        [&](int64_t n, float sum) { return sum + b[n]; }, prefetch);
   }
   const auto finish = [&](int64_t n, float sum) { return sum * ss[n] + b[n]; };
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
