@@ -1130,41 +1130,65 @@ void dequantize_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor mi
   const float* ms = mins.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_int4", [&] {
     scalar_t* os = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows * groups, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {  // r: one group of one row
-        const int64_t g = r % groups, first = g * group_size;  // the group's first column
-        if (first >= width) continue;
-        const int64_t half = group_width(g, groups, padded, group_size) / 2;
-        const uint8_t* bytes = cs + (r / groups) * padded / 2 + first / 2;
-        scalar_t* values = os + (r / groups) * width + first;
-        const float scale = ss[r], min = ms[r];
-        const int64_t count = std::min(2 * half, width - first);
+    // A thread a run of rows, each walked group by group: one task a group, found by dividing
+    // its index, had cost two 64-bit divisions every group.
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const uint8_t* row_codes = cs + row * padded / 2;
+        const float* row_scales = ss + row * groups;
+        const float* row_mins = ms + row * groups;
+        scalar_t* row_out = os + row * width;
 #if defined(__AVX512BF16__)
-        // A whole group in bfloat16 by int4_table's lookups, the same values as the loop below:
-        // that loop ran 1.3 G values a second in groups of 32 (GGUF's), a sixth of its rate in
-        // groups of 128, and made a 2,048-row step's de-quantize 3 ms a layer (SmolLM2, AMD VM).
+        // Whole rows of groups of 32 (GGUF's), two groups a lookup.
         if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-          if (count == 2 * half) {
-            const __m512i table = int4_table(scale, min);
-            auto* out16 = reinterpret_cast<uint16_t*>(values);
-            if (half % 32 == 0) {
-              for (int64_t i = 0; i < half; i += 32) {
-                __m512i low, high;
-                lookup_int4_32(bytes + i, table, low, high);
-                _mm512_storeu_si512(out16 + i, low);
-                _mm512_storeu_si512(out16 + half + i, high);
-              }
-            } else {
-              _mm512_storeu_si512(out16, lookup_int4_16(bytes, table));
+          if (group_size == 32 && width == padded && padded % 64 == 0) {
+            auto* out16 = reinterpret_cast<uint16_t*>(row_out);
+            for (int64_t k = 0; k < padded; k += 64) {
+              __m512i first, second;
+              widen_int4_64(row_codes, row_scales, row_mins, k, first, second);
+              _mm512_storeu_si512(out16 + k, first);
+              _mm512_storeu_si512(out16 + k + 32, second);
             }
             continue;
           }
         }
 #endif
-        for (int64_t i = 0; i < std::min(half, count); ++i)
-          values[i] = static_cast<scalar_t>(static_cast<float>(bytes[i] & 0x0F) * scale + min);
-        for (int64_t i = half; i < count; ++i)
-          values[i] = static_cast<scalar_t>(static_cast<float>(bytes[i - half] >> 4) * scale + min);
+        for (int64_t g = 0; g < groups && g * group_size < width; ++g) {
+          const int64_t first = g * group_size;  // the group's first column
+          const int64_t half = group_width(g, groups, padded, group_size) / 2;
+          const uint8_t* bytes = row_codes + first / 2;
+          scalar_t* values = row_out + first;
+          const float scale = row_scales[g], min = row_mins[g];
+          const int64_t count = std::min(2 * half, width - first);
+#if defined(__AVX512BF16__)
+          // A whole group in bfloat16 by int4_table's lookups, the same values as the loop
+          // below: that loop ran 1.3 G values a second in groups of 32 (GGUF's), a sixth of its
+          // rate in groups of 128, and made a 2,048-row step's de-quantize 3 ms a layer
+          // (SmolLM2, AMD VM).
+          if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+            if (count == 2 * half) {
+              const __m512i table = int4_table(scale, min);
+              auto* out16 = reinterpret_cast<uint16_t*>(values);
+              if (half % 32 == 0) {
+                for (int64_t i = 0; i < half; i += 32) {
+                  __m512i low, high;
+                  lookup_int4_32(bytes + i, table, low, high);
+                  _mm512_storeu_si512(out16 + i, low);
+                  _mm512_storeu_si512(out16 + half + i, high);
+                }
+              } else {
+                _mm512_storeu_si512(out16, lookup_int4_16(bytes, table));
+              }
+              continue;
+            }
+          }
+#endif
+          for (int64_t i = 0; i < std::min(half, count); ++i)
+            values[i] = static_cast<scalar_t>(static_cast<float>(bytes[i] & 0x0F) * scale + min);
+          for (int64_t i = half; i < count; ++i)
+            values[i] =
+                static_cast<scalar_t>(static_cast<float>(bytes[i - half] >> 4) * scale + min);
+        }
       }
     });
   });
