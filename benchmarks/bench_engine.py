@@ -194,6 +194,7 @@ def run_tokenmill(spec: Spec) -> Result:
         [(output_len - 1) / (m.last_token_time - m.first_token_time) for m in singles]) | {
         "kv_capacity_tokens": runner.kv_capacity_tokens, "kv_cache_bytes": runner.kv_cache_bytes,
         "engine_config": {"quantization": config.quantization,
+                          "quantization_served": runner.quantization,
                           "max_num_seqs": config.max_num_seqs,
                           "max_num_batched_tokens": config.max_num_batched_tokens,
                           "block_size": config.block_size,
@@ -309,8 +310,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hf-sequential-prompts", type=int, default=8,
                         help="hf_generate runs only the first K prompts (it is slow)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="tokenmill's max_num_seqs")
-    parser.add_argument("--quantization", default="none",
-                        help="tokenmill's --quantization (the issue's figures are for none)")
+    parser.add_argument("--quantization", default="auto",
+                        help="tokenmill's --quantization; auto, its default, serves the GGUF's "
+                        "own blocks in bfloat16 (the float model's numbers), none the "
+                        "de-quantized weights")
     parser.add_argument("--hf-max-batch-tokens", type=int, default=2048,
                         help="generate_batch's max_batch_tokens (per-step token budget)")
     parser.add_argument("--hf-max-requests-per-batch", type=int, default=64)

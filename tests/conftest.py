@@ -31,6 +31,9 @@ def make_llm(smollm: LoadedModel) -> Callable[..., LLM]:
         # GPTQ calibrates SmolLM2 for about a minute at load; its tests (test_gptq.py) use a
         # tiny model, and the engine tests here quantize int4 by round-to-nearest.
         options.setdefault("quant_method", "rtn")
+        # The float model unless a test names a format: quantization="auto" would serve the
+        # GGUF's own blocks in bfloat16 (the same numbers; tests/test_quant.py checks it).
+        options.setdefault("quantization", "none")
         config = EngineConfig.from_kwargs(model=DEFAULT_MODEL, **options)
         return LLM.from_engine(LLMEngine(config, smollm))
 

@@ -19,7 +19,7 @@ from tokenmill import EngineConfig, SamplingParams
 from tokenmill.kernels import cpu_has_amx, fused_kernels
 from tokenmill.model.layers import FEW_ROWS_MAX, PACKED_MAX_ROWS, Linear
 from tokenmill.model.loader import GGUFBlocks
-from tokenmill.quant.gguf import gguf_linear
+from tokenmill.quant.gguf import auto_quantization, gguf_linear
 from tokenmill.quant.int4 import Int4Linear, group_widths
 from tokenmill.quant.int8 import Int8Linear
 from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedEmbedding, QuantizedLinear, own_kernels
@@ -432,6 +432,59 @@ def test_gguf_model_in_bfloat16_generates_the_float_models_tokens_and_logprobs(m
     for quantized, reference in zip(*outputs):
         assert quantized.outputs[0].token_ids == reference.outputs[0].token_ids
         assert quantized.outputs[0].logprobs == reference.outputs[0].logprobs
+
+
+def test_auto_serves_the_default_gguf_exactly_in_bfloat16(make_llm, smollm) -> None:
+    """quantization="auto", the default, serves SmolLM2's Q4_1/Q8_0 file as gguf in bfloat16:
+    the float model's tokens and logprobs from under half its weight bytes; float32 keeps the
+    float model."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
+    prompts = ["The capital of France is", SYSTEM_PROMPT[:300]]
+    auto, none = (make_llm(dtype="bfloat16", quantization=q) for q in ("auto", "none"))
+    expected = auto_quantization(smollm.path, torch.bfloat16, torch.device("cpu"), 1)
+    assert auto.engine.runner.quantization == expected
+    if expected == "gguf":
+        assert auto.engine.runner.model_bytes < 0.45 * none.engine.runner.model_bytes
+    for served, reference in zip(auto.generate(prompts, params, use_tqdm=False),
+                                 none.generate(prompts, params, use_tqdm=False)):
+        assert served.outputs[0].token_ids == reference.outputs[0].token_ids
+        assert served.outputs[0].logprobs == reference.outputs[0].logprobs
+    assert make_llm(quantization="auto").engine.runner.quantization == "none"  # float32
+
+
+def _write_gguf(path, quant_types: list[GGMLType]) -> None:
+    """A GGUF file of one 64 x 64 matrix of each type and a norm: only its header is read."""
+    writer = gguf.GGUFWriter(path, "llama")
+    rng = np.random.default_rng(0)
+    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    for index, quant_type in enumerate(quant_types):
+        values = rng.standard_normal((64, 64), dtype=np.float32)
+        if quant_type == GGMLType.F16:
+            writer.add_tensor(f"blk.{index}.ffn_up.weight", values.astype(np.float16))
+        else:
+            writer.add_tensor(f"blk.{index}.ffn_up.weight", gguf.quants.quantize(values, quant_type),
+                              raw_dtype=quant_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_auto_quantization_takes_gguf_only_where_it_is_exact_and_fast(tmp_path) -> None:
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    exact, partly = tmp_path / "exact.gguf", tmp_path / "partly.gguf"
+    _write_gguf(exact, [GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.F16])
+    _write_gguf(partly, [GGMLType.Q4_1, GGMLType.Q5_0])
+    kernels = own_kernels(cpu, bf16, 64, 64) is not None
+    assert auto_quantization(exact, bf16, cpu, 1) == ("gguf" if kernels else "none")
+    assert auto_quantization(exact, torch.float32, cpu, 1) == "none"
+    assert auto_quantization(exact, bf16, torch.device("cuda"), 1) == "none"
+    assert auto_quantization(exact, bf16, cpu, 2) == "none"  # no quantized tensor parallelism
+    assert auto_quantization(partly, bf16, cpu, 1) == "none"  # a K-quant's or Q5's layers
+    float_only = tmp_path / "float.gguf"
+    _write_gguf(float_only, [GGMLType.F16])
+    assert auto_quantization(float_only, bf16, cpu, 1) == "none"
+    assert auto_quantization(tmp_path / "model.safetensors", bf16, cpu, 1) == "none"
 
 
 def test_model_memory_falls(gguf_llm, make_llm) -> None:

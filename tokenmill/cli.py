@@ -159,8 +159,10 @@ def _eval(args: argparse.Namespace) -> None:
                           agreement_prompts=args.agreement_prompts,
                           agreement_tokens=args.agreement_tokens,
                           decode_tokens=args.decode_tokens)
-    report = run_eval(engine_config_from_args(args), parse_config(args.reference),
-                      parse_configs(args.configs), options)
+    base = engine_config_from_args(args)
+    if base.quantization == "auto":  # a format the names leave out is the float model's
+        base = dataclasses.replace(base, quantization="none")
+    report = run_eval(base, parse_config(args.reference), parse_configs(args.configs), options)
     print(report.table())
     print(f"perplexity text: {report.perplexity_text}")
     if args.output_json:

@@ -11,7 +11,9 @@ from dataclasses import dataclass, fields
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+# auto: a GGUF file's own blocks where they give the float model's numbers exactly (gguf), else
+# none (quant/gguf.py's auto_quantization says when).
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 # How int4 codes are chosen (docs/quantization.md): round to nearest; GPTQ with act-order and
 # static groups; GPTQ over the columns in their own order; and gptq or rtn of the decoder's
 # products with their inputs rotated (tokenmill/quant/rotation.py).
@@ -40,7 +42,7 @@ class EngineConfig:
     nnodes: int = 1  # hosts the ranks are spread over, tensor_parallel_size / nnodes on each
     node_rank: int = 0  # this host's index; node 0 runs the engine, the others only workers
     debug_checks: bool = False  # assert block accounting after every step
-    quantization: str = "none"  # weights: none, int8 (per channel), int4 (grouped), gguf (own)
+    quantization: str = "auto"  # weights: auto, none, int8 (per channel), int4 (grouped), gguf
     quant_group_size: int = 128  # inputs per int4 scale and zero point
     quant_method: str = "gptq-hadamard"  # int4 only: one of QUANT_METHODS
     kv_cache_dtype: str = "auto"  # int8: a scale per token and head, about twice the tokens
@@ -80,7 +82,8 @@ class EngineConfig:
         _check(self.dist_init_addr is None or _is_host_port(self.dist_init_addr),
                "dist_init_addr", self.dist_init_addr, "must be host:port")
         # Quantizing a row-parallel shard scales its own columns only: not the same model.
-        _check(self.tensor_parallel_size == 1 or self.quantization == "none", "quantization",
+        _check(self.tensor_parallel_size == 1 or self.quantization in ("auto", "none"),
+               "quantization",
                self.quantization, "is not supported with tensor_parallel_size > 1 yet")
         _check(self.quantization in QUANTIZATIONS, "quantization", self.quantization,
                f"must be one of {', '.join(QUANTIZATIONS)}")

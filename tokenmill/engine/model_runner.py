@@ -31,6 +31,7 @@ from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.sampler import Sampler, logprob_entries
 from tokenmill.quant import model_bytes, quantize_model
+from tokenmill.quant.gguf import auto_quantization
 from tokenmill.spec.rejection import RejectionSampler
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,10 @@ class ModelRunner:
         self.model = LlamaForCausalLM(loaded.config, loaded.weights, self.dtype, self.device,
                                       shard)
         self.float_model_bytes = model_bytes(self.model)
-        quantize_model(self.model, config.quantization, config.quant_group_size, loaded,
+        self.quantization = config.quantization if config.quantization != "auto" \
+            else auto_quantization(loaded.path, self.dtype, self.device,
+                                   config.tensor_parallel_size)
+        quantize_model(self.model, self.quantization, config.quant_group_size, loaded,
                        config.quant_method)
         self.model_bytes = model_bytes(self.model)
         self.sampler = Sampler(config.seed)
@@ -99,9 +103,10 @@ class ModelRunner:
                            torch.zeros(shape, dtype=cache_dtype, device=self.device))
                           for _ in range(mc.num_layers)]
         self.kv_cache_bytes = 2 * mc.num_layers * self.kv_caches[0][0].nbytes
-        logger.info("weights: %.1f MiB in %s, %.1f MiB with quantization=%s; KV cache: %.1f MiB "
-                    "in %s for %d tokens", self.float_model_bytes / 2**20, str(self.dtype)[6:],
-                    self.model_bytes / 2**20, config.quantization, self.kv_cache_bytes / 2**20,
+        logger.info("weights: %.1f MiB in %s, %.1f MiB with quantization=%s%s; KV cache: %.1f "
+                    "MiB in %s for %d tokens", self.float_model_bytes / 2**20, str(self.dtype)[6:],
+                    self.model_bytes / 2**20, self.quantization,
+                    " (auto)" if config.quantization == "auto" else "", self.kv_cache_bytes / 2**20,
                     str(cache_dtype)[6:], self.kv_capacity_tokens)
         self.use_decode_kernel = decode_kernel_available(self.device)
         if config.kv_cache_dtype == "int8":  # every rank: its first step calibrates its heads

@@ -9,20 +9,48 @@ Every other type (F32, F16, the K-quants) stays float, as do norms and biases. T
 run kernels that widen each block of codes to those bfloat16 weights and run linear_bf16's tile,
 and elsewhere they de-quantize and call F.linear as the float model does; never the int8-code or
 aten kernels, which sum in another order.
+
+`--quantization auto`, the default, serves a GGUF file so where every matrix in it maps exactly
+or is float and tokenmill's bfloat16 kernels run the products (auto_quantization): the numbers
+the de-quantized model gives, from fewer bytes a step, as llama.cpp serves the file.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from gguf import GGMLQuantizationType as GGMLType
 
-from tokenmill.model.loader import GGUFBlocks
+from tokenmill.kernels import cpu_kernels
+from tokenmill.model.loader import GGUFBlocks, read_gguf_header
 from tokenmill.quant.int4 import Int4Linear
 from tokenmill.quant.int8 import Int8Linear
 from tokenmill.quant.linear import QuantizedLinear
 
 INT4_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1)
 EXACT_TYPES = (GGMLType.Q8_0, *INT4_TYPES)
+FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+
+
+def auto_quantization(path: Path, dtype: torch.dtype, device: torch.device,
+                      tensor_parallel_size: int) -> str:
+    """What quantization="auto" serves: "gguf" for a GGUF file whose matrices are all of
+    EXACT_TYPES or float, some of them quantized, in bfloat16 on one CPU rank whose kernels take
+    bfloat16 (AVX-512 BF16): there the exact kernels give the float model's numbers and read a
+    Q4_1 weight's 0.75 bytes instead of 2. Else "none": anywhere else gguf's layers would
+    de-quantize every weight at every step (float32, CUDA, CPUs without those kernels), tensor
+    parallelism takes no quantized layers, and a file with K-quants would be only partly served."""
+    if path.suffix != ".gguf" or dtype != torch.bfloat16 or device.type != "cpu" \
+            or tensor_parallel_size != 1:
+        return "none"
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.linear_bf16_available():
+        return "none"
+    _, tensors = read_gguf_header(path)
+    types = {tensor.quant_type for tensor in tensors.values() if len(tensor.shape) == 2}
+    exact = types & set(EXACT_TYPES)
+    return "gguf" if exact and types <= set(EXACT_TYPES + FLOAT_TYPES) else "none"
 
 
 def gguf_linear(parts: list[GGUFBlocks], bias: torch.Tensor | None, dtype: torch.dtype,
