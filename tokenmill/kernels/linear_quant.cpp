@@ -274,13 +274,14 @@ inline void widen_int4_64(const uint8_t* bytes, const float* scales, const float
   second = _mm512_shuffle_i64x2(low, high, _MM_SHUFFLE(3, 2, 3, 2));
 }
 
-// widen_int4_columns for groups of 32, k0 and k1 multiples of 64. A group's own loop (the table,
-// the widening, the lookup, its bounds) had been a third of gguf's 32-row product (perf, AMX VM).
+// widen_int4_columns for `rows` rows of groups of 32, k0 and k1 multiples of 64. A group's own
+// loop (the table, the widening, the lookup, its bounds) had been a third of gguf's 32-row
+// product (perf, AMX VM).
 inline void widen_int4_pairs(const uint8_t* codes, const float* scales, const float* mins,
                              int64_t padded, int64_t k0, int64_t k1, uint16_t* out,
-                             int64_t stride) {
+                             int64_t stride, int64_t rows = kWeightRows) {
   const int64_t groups = padded / 32;
-  for (int64_t row = 0; row < kWeightRows; ++row) {
+  for (int64_t row = 0; row < rows; ++row) {
     uint16_t* row_out = out + row * stride - k0;
     for (int64_t k = k0; k < k1; k += 64) {
       __m512i first, second;
@@ -1142,13 +1143,8 @@ void dequantize_int4(torch::Tensor codes, torch::Tensor scales, torch::Tensor mi
         // Whole rows of groups of 32 (GGUF's), two groups a lookup.
         if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
           if (group_size == 32 && width == padded && padded % 64 == 0) {
-            auto* out16 = reinterpret_cast<uint16_t*>(row_out);
-            for (int64_t k = 0; k < padded; k += 64) {
-              __m512i first, second;
-              widen_int4_64(row_codes, row_scales, row_mins, k, first, second);
-              _mm512_storeu_si512(out16 + k, first);
-              _mm512_storeu_si512(out16 + k + 32, second);
-            }
+            widen_int4_pairs(row_codes, row_scales, row_mins, padded, 0, padded,
+                             reinterpret_cast<uint16_t*>(row_out), padded, 1);
             continue;
           }
         }
