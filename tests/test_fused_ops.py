@@ -86,12 +86,14 @@ def test_kv_cache_write_matches_index_copy(dtype):
 @pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().linear_bf16_available(),
                     reason="no AVX-512 BF16 here")
 @pytest.mark.parametrize("in_features", [576, 100])  # whole 32-wide chunks, and a masked tail
-def test_few_rows_bf16_linear(in_features):
+@pytest.mark.parametrize("out_features", [96, 112])  # AMX: blocks of 32 outputs, and one of 16
+def test_few_rows_bf16_linear(in_features, out_features):
     """Close to the float product; a row's result doesn't depend on the rows beside it on one
-    path (with AMX: VDPBF16PS tiles up to 2 rows, AMX tiles from 3); Linear takes the kernel up
-    to FEW_ROWS_MAX rows."""
+    path (with AMX: VDPBF16PS tiles up to 2 rows, AMX tiles from 3, each pass's sums written out
+    during the next); Linear takes the kernel up to FEW_ROWS_MAX rows."""
     torch.manual_seed(4)
-    weight, bias = torch.randn(96, in_features).bfloat16(), torch.randn(96).bfloat16()
+    weight = torch.randn(out_features, in_features).bfloat16()
+    bias = torch.randn(out_features).bfloat16()
     x = torch.randn(layers.FEW_ROWS_MAX, in_features).bfloat16()
     out = cpu_kernels().linear_bf16(x, weight, bias)
     expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())

@@ -129,10 +129,13 @@ std::vector<uint32_t> pair_interleaved(const torch::Tensor& x) {
 // `passes` passes over the block (more than 32 rows), pass p asks only for rows p, p + passes,
 // ..., so memory serves the next block evenly over all of them: asked for on the first pass
 // alone, 48 and 64 rows took 1.10-1.14x the time, 1.01x at 32 (one pass either way).
-template <int NW, int NX, typename WAt>
+//
+// `between(s)` runs after step s's products are issued: the AVX-512 work that the caller has
+// meanwhile (amx_product writes out the previous pass's sums there), done while the tiles work.
+template <int NW, int NX, typename WAt, typename Between>
 inline void amx_block(WAt w_at, const uint32_t* x_tiles, int64_t x_block_stride, int64_t steps,
                       float* sums, const char* ahead, int64_t row_bytes, int64_t step_bytes,
-                      int64_t pass, int64_t passes) {
+                      int64_t pass, int64_t passes, Between between) {
   const int64_t ahead_rows = (NW * kTileRows - pass + passes - 1) / passes;
   _tile_zero(0);
   _tile_zero(1);
@@ -155,6 +158,7 @@ inline void amx_block(WAt w_at, const uint32_t* x_tiles, int64_t x_block_stride,
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (NX == 2) _tile_dpbf16ps(3, 5, 7);
     }
+    between(s);
   }
   // sums [outputs][rows of x], kBlockInputs floats a row of outputs.
   constexpr int64_t stride = kBlockInputs * sizeof(float);
@@ -181,33 +185,50 @@ inline void with_block_shape(bool two_w, bool two_x, Fn fn) {
   }
 }
 
-// Writes a block's sums [outputs][kBlockInputs rows of x, from m_first] to out[m][n0 + ...]
-// (bfloat16, out_features a row): each 16 x 16 turned to [rows of x][outputs], then scaled by
-// row_scales (may be null), shifted by bias (may be null) and rounded, 16 outputs at a time.
+// Writes one 16 x 16 tile of a block's sums [outputs][kBlockInputs rows of x, from m_first]:
+// outputs nt..nt + 15 of the block (which starts at output n0) for its rows of x mt..mt + 15,
+// turned to [rows of x][outputs], scaled by row_scales (may be null), shifted by bias (may be
+// null) and rounded into out[m][n0 + nt + ...] (bfloat16, out_features a row). A tile past the
+// block's outputs or x's rows writes nothing.
+inline void finish_tile(const float* sums, int64_t n0, int64_t outputs, int64_t m_first,
+                        int64_t nt, int64_t mt, int64_t rows, const float* row_scales,
+                        const c10::BFloat16* bias, uint16_t* ys, int64_t out_features) {
+  const int64_t n = n0 + nt, m0 = m_first + mt;
+  if (nt >= outputs || m0 >= rows) return;
+  const __m512 scale = row_scales ? _mm512_loadu_ps(row_scales + n) : _mm512_set1_ps(1.f);
+  const __m512 shift = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n))), 16))
+                            : _mm512_setzero_ps();
+  __m512 tile[kTileRows];
+  for (int64_t r = 0; r < kTileRows; ++r)
+    tile[r] = _mm512_load_ps(sums + (nt + r) * kBlockInputs + mt);
+  transpose16x16(tile);
+  for (int64_t m = 0; m < std::min(kTileRows, rows - m0); ++m) {
+    __m512 value = tile[m];
+    if (row_scales) value = _mm512_mul_ps(value, scale);
+    value = _mm512_add_ps(value, shift);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ys + (m0 + m) * out_features + n),
+                        (__m256i)_mm512_cvtneps_pbh(value));
+  }
+}
+
+constexpr int64_t kBlockTiles = (kBlockOutputs / kTileRows) * (kBlockInputs / kTileRows);
+
+// finish_tile's tile i of a block's sums, i < kBlockTiles: outputs first, then rows of x.
+inline void finish_tile(const float* sums, int64_t n0, int64_t outputs, int64_t m_first,
+                        int64_t i, int64_t rows, const float* row_scales,
+                        const c10::BFloat16* bias, uint16_t* ys, int64_t out_features) {
+  constexpr int64_t across = kBlockInputs / kTileRows;
+  finish_tile(sums, n0, outputs, m_first, i / across * kTileRows, i % across * kTileRows, rows,
+              row_scales, bias, ys, out_features);
+}
+
+// Every tile of a block's sums, as finish_tile writes them.
 inline void finish_block(const float* sums, int64_t n0, int64_t outputs, int64_t m_first,
                          int64_t rows, const float* row_scales, const c10::BFloat16* bias,
                          uint16_t* ys, int64_t out_features) {
-  for (int64_t nt = 0; nt < outputs; nt += kTileRows) {
-    const int64_t n = n0 + nt;
-    const __m512 scale = row_scales ? _mm512_loadu_ps(row_scales + n) : _mm512_set1_ps(1.f);
-    const __m512 shift = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n))), 16))
-                              : _mm512_setzero_ps();
-    for (int64_t mt = 0; mt < kBlockInputs && m_first + mt < rows; mt += kTileRows) {
-      __m512 tile[kTileRows];
-      for (int64_t r = 0; r < kTileRows; ++r)
-        tile[r] = _mm512_load_ps(sums + (nt + r) * kBlockInputs + mt);
-      transpose16x16(tile);
-      const int64_t m0 = m_first + mt;
-      for (int64_t m = 0; m < std::min(kTileRows, rows - m0); ++m) {
-        __m512 value = tile[m];
-        if (row_scales) value = _mm512_mul_ps(value, scale);
-        value = _mm512_add_ps(value, shift);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ys + (m0 + m) * out_features + n),
-                            (__m256i)_mm512_cvtneps_pbh(value));
-      }
-    }
-  }
+  for (int64_t i = 0; i < kBlockTiles; ++i)
+    finish_tile(sums, n0, outputs, m_first, i, rows, row_scales, bias, ys, out_features);
 }
 
 // Columns of W widened a slice at a time: kSliceDepth of them for a block's rows, 8 KB.
@@ -239,11 +260,31 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
   auto out = torch::empty({rows, out_features}, x.options());
   auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t w_blocks = (out_features + kBlockOutputs - 1) / kBlockOutputs;
+  // Each pass's sums are written out during the next pass's product, a tile every `spacing`
+  // steps, so that their transposes and rounding run beside the AMX unit instead of after it,
+  // which waited meanwhile; halfway between the steps that widen a slice of codes. SmolLM2's
+  // products, 30 layers and the lm_head from memory, in bf16: 0.92-0.96x the time at 16-96 rows
+  // (bench_kernels_ab.py, AMX VM, results/kernels_ab-amx-finish-overlap-s27.json).
+  const int64_t spacing = std::max<int64_t>(1, steps / kBlockTiles);
   at::parallel_for(0, w_blocks, 1, [&](int64_t begin, int64_t end) {
     const Tiles tiles;
     std::vector<uint16_t> scratch(
         needs_scratch ? kBlockOutputs * (sliced ? kSliceDepth : w_stride) : 0);
-    alignas(64) float sums[kBlockOutputs * kBlockInputs];
+    alignas(64) float sums[2][kBlockOutputs * kBlockInputs];
+    struct Pending {
+      const float* sums = nullptr;
+      int64_t n0 = 0, outputs = 0, m_first = 0, written = 0;
+    } pending;
+    const auto write_pending = [&](int64_t upto) {
+      for (; pending.sums != nullptr && pending.written < std::min(upto, kBlockTiles);
+           ++pending.written)
+        finish_tile(pending.sums, pending.n0, pending.outputs, pending.m_first, pending.written,
+                    rows, row_scales, bias, ys, out_features);
+    };
+    const auto between = [&](int64_t s) {
+      if (s % spacing == spacing / 2) write_pending(s / spacing + 1);
+    };
+    int64_t current = 0;
     for (int64_t block = begin; block < end; ++block) {
       const int64_t n0 = block * kBlockOutputs;
       const int64_t outputs = std::min(kBlockOutputs, out_features - n0);
@@ -260,8 +301,8 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
         const auto run = [&](auto w_at) {
           with_block_shape(outputs == kBlockOutputs, two_x, [&](auto nw, auto nx) {
             amx_block<decltype(nw)::value, decltype(nx)::value>(
-                w_at, xs, x_block_stride, steps, sums, ahead, stored_row_bytes, step_bytes,
-                xb / 2, (x_blocks + 1) / 2);
+                w_at, xs, x_block_stride, steps, sums[current], ahead, stored_row_bytes,
+                step_bytes, xb / 2, (x_blocks + 1) / 2, between);
           });
         };
         if (sliced)
@@ -277,9 +318,12 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
           run([&, whole = whole, whole_stride = whole_stride](int64_t s) {
             return std::pair<const uint16_t*, int64_t>{whole + s * kTileDepth, whole_stride};
           });
-        finish_block(sums, n0, outputs, xb * kTileRows, rows, row_scales, bias, ys, out_features);
+        write_pending(kBlockTiles);
+        pending = {sums[current], n0, outputs, xb * kTileRows, 0};
+        current ^= 1;
       }
     }
+    write_pending(kBlockTiles);
   });
   return out;
 }
