@@ -266,7 +266,7 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
   // products, 30 layers and the lm_head from memory, in bf16: 0.92-0.96x the time at 16-96 rows
   // (bench_kernels_ab.py, AMX VM, results/kernels_ab-amx-finish-overlap-s27.json).
   const int64_t spacing = std::max<int64_t>(1, steps / kBlockTiles);
-  at::parallel_for(0, w_blocks, 1, [&](int64_t begin, int64_t end) {
+  share_blocks(w_blocks, [&](auto take) {
     const Tiles tiles;
     std::vector<uint16_t> scratch(
         needs_scratch ? kBlockOutputs * (sliced ? kSliceDepth : w_stride) : 0);
@@ -285,7 +285,7 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
       if (s % spacing == spacing / 2) write_pending(s / spacing + 1);
     };
     int64_t current = 0;
-    for (int64_t block = begin; block < end; ++block) {
+    take([&](int64_t block, int64_t next) {
       const int64_t n0 = block * kBlockOutputs;
       const int64_t outputs = std::min(kBlockOutputs, out_features - n0);
       const auto [whole, whole_stride] =
@@ -294,8 +294,8 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
       for (int64_t xb = 0; xb < x_blocks; xb += 2) {
         const uint32_t* xs = x_tiles.data() + xb * x_block_stride;
         const bool two_x = xb + 1 < x_blocks;
-        const char* ahead = block + 1 < end
-            ? static_cast<const char*>(stored) + (n0 + kBlockOutputs) * stored_row_bytes
+        const char* ahead = next >= 0
+            ? static_cast<const char*>(stored) + next * kBlockOutputs * stored_row_bytes
             : nullptr;
         const int64_t step_bytes = stored_row_bytes / steps;
         const auto run = [&](auto w_at) {
@@ -322,7 +322,7 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
         pending = {sums[current], n0, outputs, xb * kTileRows, 0};
         current ^= 1;
       }
-    }
+    });
     write_pending(kBlockTiles);
   });
   return out;

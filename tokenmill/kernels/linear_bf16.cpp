@@ -86,33 +86,40 @@ torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   auto* ys = out.data_ptr<c10::BFloat16>();
   const int64_t x_stride = x.stride(0);
-  at::parallel_for(0, out_features / kWeightRows, 8, [&](int64_t begin, int64_t end) {
+  // Threads share out runs of kRunTiles tiles (kernels/work_sharing.cpp).
+  constexpr int64_t kRunTiles = 8;
+  const int64_t tiles = out_features / kWeightRows;
+  share_blocks((tiles + kRunTiles - 1) / kRunTiles, [&](auto take) {
     std::vector<uint16_t> scratch(scratch_size);
     float sums[kInputRows][kWeightRows];
-    for (int64_t tile_index = begin; tile_index < end; ++tile_index) {
-      const int64_t n0 = tile_index * kWeightRows;
-      if (tile_index + 1 < end) prefetch(n0 + kWeightRows);
-      const auto located = rows_at(n0, scratch.data());
-      for (int64_t m0 = 0; m0 < rows; m0 += kInputRows) {
-        const uint16_t* xm = xs + m0 * x_stride;
-        switch (std::min(kInputRows, rows - m0)) {
-          case 1:
-            multiply(std::integral_constant<int, 1>{}, located, xm, x_stride, m0, sums);
-            break;
-          case 2:
-            multiply(std::integral_constant<int, 2>{}, located, xm, x_stride, m0, sums);
-            break;
-          case 3:
-            multiply(std::integral_constant<int, 3>{}, located, xm, x_stride, m0, sums);
-            break;
-          default: multiply(std::integral_constant<int, 4>{}, located, xm, x_stride, m0, sums);
+    take([&](int64_t run, int64_t next_run) {
+      const int64_t end = std::min(tiles, (run + 1) * kRunTiles);
+      for (int64_t tile_index = run * kRunTiles; tile_index < end; ++tile_index) {
+        const int64_t n0 = tile_index * kWeightRows;
+        if (tile_index + 1 < end) prefetch(n0 + kWeightRows);
+        else if (next_run >= 0) prefetch(next_run * kRunTiles * kWeightRows);
+        const auto located = rows_at(n0, scratch.data());
+        for (int64_t m0 = 0; m0 < rows; m0 += kInputRows) {
+          const uint16_t* xm = xs + m0 * x_stride;
+          switch (std::min(kInputRows, rows - m0)) {
+            case 1:
+              multiply(std::integral_constant<int, 1>{}, located, xm, x_stride, m0, sums);
+              break;
+            case 2:
+              multiply(std::integral_constant<int, 2>{}, located, xm, x_stride, m0, sums);
+              break;
+            case 3:
+              multiply(std::integral_constant<int, 3>{}, located, xm, x_stride, m0, sums);
+              break;
+            default: multiply(std::integral_constant<int, 4>{}, located, xm, x_stride, m0, sums);
+          }
+          for (int64_t m = 0; m < std::min(kInputRows, rows - m0); ++m)
+            for (int64_t n = 0; n < kWeightRows; ++n)
+              ys[(m0 + m) * out_features + n0 + n] =
+                  static_cast<c10::BFloat16>(finish(n0 + n, sums[m][n]));
         }
-        for (int64_t m = 0; m < std::min(kInputRows, rows - m0); ++m)
-          for (int64_t n = 0; n < kWeightRows; ++n)
-            ys[(m0 + m) * out_features + n0 + n] =
-                static_cast<c10::BFloat16>(finish(n0 + n, sums[m][n]));
       }
-    }
+    });
   });
   return out;
 }
