@@ -475,10 +475,12 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
   const auto first_key = [&](const Part& part) {
     return block_tables[part.sequence * table_stride + part.first / block_size] * block_stride;
   };
-  at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
+  // Threads share the parts out (kernels/work_sharing.cpp): a thread's sequences summed to more
+  // tokens than the other's, or came from memory later.
+  share_blocks(static_cast<int64_t>(parts.size()), [&](auto take) {
     std::vector<float> scores, row(head_dim), acc(num_heads * head_dim), weights;
     std::vector<float> queries(num_heads * head_dim);
-    for (int64_t i = begin; i < end; ++i) {
+    take([&](int64_t i, int64_t next) {
       const Part& part = parts[i];
       const int64_t b = part.sequence, len = part.end - part.first;
       const int64_t* table = block_tables + b * table_stride + part.first / block_size;
@@ -540,7 +542,7 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
         for (int64_t g = 0; g < num_heads; ++g)
           accumulate_rows(scores.data() + g * len + t, tokens + (g / group) * row_width,
                           token_stride, count, head_dim, acc.data() + g * head_dim, row.data());
-      }, i + 1 < end ? k_cache + first_key(parts[i + 1]) : nullptr);
+      }, next >= 0 ? k_cache + first_key(parts[next]) : nullptr);
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, c10::BFloat16>)
         if (vector_rows) in_dimension_order(acc.data(), num_heads * head_dim);
@@ -550,10 +552,10 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
         // The last part done merges; acq_rel: it sees the other parts' writes.
         if (unfinished[part.split].fetch_sub(1, std::memory_order_acq_rel) == 1)
           merge(splits[part.split], acc, weights);
-        continue;
+        return;
       }
       store(b, acc);
-    }
+    });
   });
 }
 
