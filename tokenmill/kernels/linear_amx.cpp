@@ -107,16 +107,17 @@ inline void pair_tile(const uint16_t* first, int64_t stride, int64_t rows, uint3
 
 // x [M, K] bfloat16 -> [ceil(M / 16), K / 32] pair_tiles of 16 pairs of K (rows) by 16 rows of x:
 // element (r, 2 m + j) of tile (b, s) is x[16 b + m, 32 s + 2 r + j]; rows past M are zero.
-std::vector<uint32_t> pair_interleaved(const torch::Tensor& x) {
+// Into the calling thread's reused buffer.
+const uint32_t* pair_interleaved(const torch::Tensor& x) {
   const int64_t rows = x.size(0), steps = x.size(1) / kTileDepth;
   const int64_t blocks = (rows + kTileRows - 1) / kTileRows;
-  std::vector<uint32_t> out(blocks * steps * kTileElements / 2);
+  uint32_t* out = reused_buffer<uint32_t, 0>(blocks * steps * kTileElements / 2);
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   for (int64_t b = 0; b < blocks; ++b)
     for (int64_t s = 0; s < steps; ++s)
       pair_tile(xs + b * kTileRows * x.stride(0) + s * kTileDepth, x.stride(0),
                 std::min(kTileRows, rows - b * kTileRows),
-                out.data() + (b * steps + s) * kTileElements / 2);
+                out + (b * steps + s) * kTileElements / 2);
   return out;
 }
 
@@ -255,7 +256,7 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
   const int64_t rows = x.size(0), steps = x.size(1) / kTileDepth;
   const int64_t x_blocks = (rows + kTileRows - 1) / kTileRows;
   const bool sliced = needs_scratch && x_blocks <= 2;
-  const std::vector<uint32_t> x_tiles = pair_interleaved(x);
+  const uint32_t* x_tiles = pair_interleaved(x);
   const int64_t x_block_stride = steps * kTileElements / 2;
   auto out = torch::empty({rows, out_features}, x.options());
   auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -268,7 +269,7 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
   const int64_t spacing = std::max<int64_t>(1, steps / kBlockTiles);
   share_blocks(w_blocks, [&](auto take) {
     const Tiles tiles;
-    std::vector<uint16_t> scratch(
+    uint16_t* const scratch = reused_buffer<uint16_t, 0>(
         needs_scratch ? kBlockOutputs * (sliced ? kSliceDepth : w_stride) : 0);
     alignas(64) float sums[2][kBlockOutputs * kBlockInputs];
     struct Pending {
@@ -290,9 +291,9 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
       const int64_t outputs = std::min(kBlockOutputs, out_features - n0);
       const auto [whole, whole_stride] =
           sliced ? std::pair<const uint16_t*, int64_t>{nullptr, 0}
-                 : rows_at(n0, outputs, 0, w_stride, scratch.data(), w_stride);
+                 : rows_at(n0, outputs, 0, w_stride, scratch, w_stride);
       for (int64_t xb = 0; xb < x_blocks; xb += 2) {
-        const uint32_t* xs = x_tiles.data() + xb * x_block_stride;
+        const uint32_t* xs = x_tiles + xb * x_block_stride;
         const bool two_x = xb + 1 < x_blocks;
         const char* ahead = next >= 0
             ? static_cast<const char*>(stored) + next * kBlockOutputs * stored_row_bytes
@@ -309,10 +310,10 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
           run([&, n0 = n0, outputs = outputs](int64_t s) {
             if (s % kSliceSteps == 0)
               rows_at(n0, outputs, s * kTileDepth,
-                      std::min(s * kTileDepth + kSliceDepth, w_stride), scratch.data(),
+                      std::min(s * kTileDepth + kSliceDepth, w_stride), scratch,
                       kSliceDepth);
             return std::pair<const uint16_t*, int64_t>{
-                scratch.data() + s % kSliceSteps * kTileDepth, kSliceDepth};
+                scratch + s % kSliceSteps * kTileDepth, kSliceDepth};
           });
         else
           run([&, whole = whole, whole_stride = whole_stride](int64_t s) {
