@@ -21,8 +21,9 @@ import torch
 
 logger = logging.getLogger("tokenmill.kernels")
 # One translation unit, in this order: a file may call the functions of those before it.
-SOURCES = ("gil.cpp", "prefetch.cpp", "scratch.cpp", "work_sharing.cpp", "linear_amx.cpp", "paged_attention.cpp", "fused_ops.cpp",
-           "sampling.cpp", "hadamard.cpp", "linear_bf16.cpp", "linear_quant.cpp", "decode_layers.cpp")
+SOURCES = ("gil.cpp", "prefetch.cpp", "scratch.cpp", "work_sharing.cpp", "linear_amx.cpp",
+           "paged_attention.cpp", "fused_ops.cpp", "sampling.cpp", "hadamard.cpp", "linear_bf16.cpp",
+           "linear_quant.cpp", "decode_layers.cpp")
 FUNCTIONS = ["paged_decode_attention", "paged_prefill_attention", "rms_norm", "rotary_", "silu_mul_",
              "write_kv_cache", "linear_bf16", "linear_bf16_available", "linear_int8", "linear_int4", "linear_int4_exact",
              "dequantize_int4", "dequantize_int4_unrotated", "dequantize_int8", "hadamard_rotate", "create_decode_plan",

@@ -1,4 +1,5 @@
-// Blocks of a product shared out between threads that take equal shares but not equal times.
+// Blocks of work (a product's blocks of W, decode attention's parts) shared out between threads
+// that take equal shares but not equal times.
 //
 // at::parallel_for gives each thread one contiguous share of the blocks and waits for the last
 // to finish. A decode step's products split W's blocks evenly, yet one thread's blocks come from
