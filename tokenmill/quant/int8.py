@@ -41,6 +41,10 @@ class Int8Linear(QuantizedLinear):
             packed_max_rows = (CPU_PACKED_MAX_ROWS.get((packed_kernel, dtype), 0)
                                if codes.device.type == "cpu" else NO_ROW_LIMIT) \
                 if per_channel else 0
+        if packed_kernel == "aten" and codes.device.type == "cpu" and in_features % 16:
+            # aten's CPU kernel crashes (a segmentation fault, torch 2.13) from two rows of x
+            # when K is not a multiple of 16: such layers de-quantize instead.
+            packed_max_rows = 0
         super().__init__(out_features, in_features, in_features, bias, packed_max_rows)
         self.group_size = group_size
         self.packed_kernel = packed_kernel
