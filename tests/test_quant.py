@@ -285,6 +285,31 @@ def test_own_kernels_read_the_codes_and_give_each_row_the_same_result_on_one_pat
         Int8Linear.quantize(random_weight(42, 256).bfloat16(), packed_kernel="tokenmill")
 
 
+def test_int8_layers_aten_cannot_take_de_quantize_instead() -> None:
+    # aten's CPU int8 kernel crashed the process from two rows when K is not a multiple of 16
+    weight = random_weight(96, 600).bfloat16()
+    layer = Int8Linear.quantize(weight, packed_kernel="aten")
+    assert layer.packed_max_rows == 0
+    x = torch.randn(4, 600, generator=torch.Generator().manual_seed(0)).bfloat16()
+    assert torch.equal(layer(x), F.linear(x, layer.dequantize().bfloat16()))
+
+
+@pytest.mark.skipif(not OWN_KERNELS, reason="tokenmill's int8/int4 kernels need AVX-512 BF16")
+def test_own_kernels_give_the_same_numbers_whatever_ran_before() -> None:
+    # The kernels keep x's codes and their scratch from call to call (kernels/scratch.cpp): a
+    # narrow layer with a padded last group must read none of what a wider call left there.
+    narrow = layers(random_weight(96, 600).bfloat16(), torch.randn(96).bfloat16(), PACKED)
+    wide = layers(random_weight(96, 1536, seed=1).bfloat16(), None, PACKED)
+    for rows in (1, 4, 9, 40):
+        x = torch.randn(rows, 600, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        first = [layer(x) for layer in narrow]
+        big = 1e4 * torch.randn(64, 1536, generator=torch.Generator().manual_seed(7)).bfloat16()
+        for layer in wide:
+            layer(big[:rows])
+        for layer, before in zip(narrow, first):
+            assert torch.equal(layer(x), before), (type(layer).__name__, rows)
+
+
 @pytest.mark.skipif(not OWN_KERNELS, reason="tokenmill's int8/int4 kernels need AVX-512 BF16")
 def test_int8_few_rows_meet_int16_codes_of_x_within_their_rounding() -> None:
     # Up to 4 rows x is quantized to int16 codes, q levels a row (kernels/linear_quant.cpp): the

@@ -38,23 +38,29 @@ enum ProductKind : int64_t {
 };
 
 struct Product {
-  int64_t kind, param;
+  int64_t kind, param, out_features;
   std::vector<torch::Tensor> tensors;  // the kind's own, in linear_*'s argument order
   c10::optional<torch::Tensor> bias, rotation;
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  // x by W into `out` where this kind can write into a given tensor and out is the product's
+  // shape; else into a new tensor, which out becomes. Returns the product.
+  torch::Tensor operator()(const torch::Tensor& x, torch::Tensor& out) const {
+    const bool reused = out.defined() && out.size(0) == x.size(0) && out.size(1) == out_features;
+    const c10::optional<torch::Tensor> into = reused ? c10::optional<torch::Tensor>(out)
+                                                     : c10::nullopt;
     switch (kind) {
       case kBFloat16:
-        if (x.size(0) <= param) return linear_bf16(x, tensors[0], bias);
-        return packed_bf16(x, tensors[1], bias);
+        if (x.size(0) <= param) return out = linear_bf16_out(x, tensors[0], bias, into);
+        return out = packed_bf16(x, tensors[1], bias);
       case kTorchLinear:
-        return at::linear(x, tensors[0], bias);
+        return out = at::linear(x, tensors[0], bias);
       case kInt8:
-        return linear_int8(x, tensors[0], tensors[1], bias);
+        return out = linear_int8_out(x, tensors[0], tensors[1], bias, into);
       case kInt4:
-        return linear_int4(x, tensors[0], tensors[1], tensors[2], param, bias, rotation);
+        return out = linear_int4_out(x, tensors[0], tensors[1], tensors[2], param, bias, rotation,
+                                     into);
       default:
-        return linear_int4_exact(x, tensors[0], tensors[1], tensors[2], bias);
+        return out = linear_int4_exact_out(x, tensors[0], tensors[1], tensors[2], bias, into);
     }
   }
 };
@@ -85,6 +91,8 @@ struct Plan {
       const bool has_bias = layout.at(l++), has_rotation = layout.at(l++);
       const int count = p.kind >= kInt4 ? 3 : p.kind == kTorchLinear ? 1 : 2;
       for (int i = 0; i < count; ++i) p.tensors.push_back(weights.at(w++));
+      const torch::Tensor& first = p.tensors[0];  // kBFloat16's: [N, K] or [N / 4, K / 32, 4, 32]
+      p.out_features = first.size(0) * (p.kind == kBFloat16 && first.dim() == 4 ? 4 : 1);
       if (has_bias) p.bias = weights.at(w++);
       if (has_rotation) p.rotation = weights.at(w++);
       return p;
@@ -171,12 +179,21 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor positions, torch
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const torch::Tensor cos = cos_table.index_select(0, positions);
   const torch::Tensor sin = sin_table.index_select(0, positions);
+  // Every layer's outputs have the same shapes: each is written where the last layer's was, which
+  // the cache still holds. A step had allocated ~2,400 blocks (these outputs and the kernels' own
+  // buffers, now kernels/scratch.cpp's); glibc's allocator and the cold memory it handed out
+  // cost SmolLM2's one-sequence int4 step a tenth of its time: 185.8 -> 211.9 tokens/s, gguf's
+  // layers 8.1-8.8 -> 7.5-8.0 ms a step (benchmarks/bench_engine_ab.py, AMX VM; 64 sequences
+  // unchanged).
+  const torch::Tensor normed = torch::empty_like(hidden, at::MemoryFormat::Contiguous);
+  const torch::Tensor attended = torch::empty({batch, num_heads, head_dim}, hidden.options());
+  torch::Tensor qkv_out, o_out, gate_up_out, down_out;
   torch::Tensor residual = hidden, x;
   for (size_t i = 0; i < plan.layers.size(); ++i) {
     const Layer& layer = plan.layers[i];
-    x = i == 0 ? rms_norm(residual, c10::nullopt, layer.input_norm, eps)
-               : rms_norm(residual, x, layer.input_norm, eps);
-    const torch::Tensor qkv = layer.qkv(x);
+    x = i == 0 ? rms_norm_out(residual, c10::nullopt, layer.input_norm, eps, normed)
+               : rms_norm_out(residual, x, layer.input_norm, eps, normed);
+    const torch::Tensor qkv = layer.qkv(x, qkv_out);
     const torch::Tensor q = qkv.narrow(1, 0, q_size).view({batch, num_heads, head_dim});
     const torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({batch, num_kv_heads, head_dim});
     const torch::Tensor v =
@@ -188,11 +205,11 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor positions, torch
       k.div_(layer.key_smoothing);
     }
     write_kv_cache(k, v, layer.k_cache, layer.v_cache, slot_mapping);
-    const torch::Tensor attended = torch::empty(q.sizes(), q.options());
     paged_decode_attention(q, layer.k_cache, layer.v_cache, block_tables, seq_lens, scale,
                            attended);
-    x = rms_norm(residual, layer.o_proj(attended.flatten(1)), layer.post_attention_norm, eps);
-    x = layer.down(silu_mul_(layer.gate_up(x)));  // as GatedMLP
+    x = rms_norm_out(residual, layer.o_proj(attended.flatten(1), o_out),
+                     layer.post_attention_norm, eps, normed);
+    x = layer.down(silu_mul_(layer.gate_up(x, gate_up_out)), down_out);  // as GatedMLP
   }
   return rms_norm(residual, x, plan.final_norm, eps);
 }

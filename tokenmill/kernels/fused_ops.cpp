@@ -178,10 +178,11 @@ void check_rows(const torch::Tensor& x, const char* name) {
 
 }  // namespace
 
-// RMSNorm of x [T, width] (rows contiguous, any row stride); returns a new [T, width] tensor.
-// With `addend`, first residual += addend in place (x is then the residual stream).
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> addend, torch::Tensor weight,
-                       double eps) {
+// RMSNorm of x [T, width] (rows contiguous, any row stride) into `out` [T, width] (contiguous,
+// not x or addend); returns out. With `addend`, first residual += addend in place (x is then the
+// residual stream).
+torch::Tensor rms_norm_out(const torch::Tensor& x, const c10::optional<torch::Tensor>& addend,
+                           const torch::Tensor& weight, double eps, const torch::Tensor& out) {
   check_rows(x, "x");
   TORCH_CHECK(x.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
               "rms_norm: x [T, width] and a contiguous weight of its dtype");
@@ -191,7 +192,9 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> addend, tor
     TORCH_CHECK(addend->sizes() == x.sizes() && addend->scalar_type() == x.scalar_type(),
                 "rms_norm: addend must match x");
   }
-  auto out = torch::empty({rows, width}, x.options());
+  TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() &&
+                  out.scalar_type() == x.scalar_type(),
+              "rms_norm: out [T, width] contiguous, x's dtype");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(),
                             addend ? addend->data_ptr<scalar_t>() : nullptr,
@@ -200,6 +203,12 @@ torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> addend, tor
                             static_cast<float>(eps));
   });
   return out;
+}
+
+// rms_norm_out into a new tensor.
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> addend, torch::Tensor weight,
+                       double eps) {
+  return rms_norm_out(x, addend, weight, eps, torch::empty(x.sizes(), x.options()));
 }
 
 // Rotate-half rotary embedding, in place, on x [T, heads, head_dim] (a view into the fused qkv

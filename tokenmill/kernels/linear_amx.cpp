@@ -249,7 +249,7 @@ constexpr int64_t kSliceSteps = kSliceDepth / kTileDepth;
 // W's rows lie in memory as stored (bfloat16, or the codes decoded from), `stored_row_bytes`
 // apart.
 template <typename RowsAt>
-torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t w_stride,
+torch::Tensor amx_product(const torch::Tensor& x, const torch::Tensor& out, int64_t w_stride,
                           bool needs_scratch, RowsAt rows_at, const float* row_scales,
                           const c10::BFloat16* bias, const void* stored,
                           int64_t stored_row_bytes) {
@@ -258,7 +258,7 @@ torch::Tensor amx_product(const torch::Tensor& x, int64_t out_features, int64_t 
   const bool sliced = needs_scratch && x_blocks <= 2;
   const uint32_t* x_tiles = pair_interleaved(x);
   const int64_t x_block_stride = steps * kTileElements / 2;
-  auto out = torch::empty({rows, out_features}, x.options());
+  const int64_t out_features = out.size(1);
   auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t w_blocks = (out_features + kBlockOutputs - 1) / kBlockOutputs;
   // Each pass's sums are written out during the next pass's product, a tile every `spacing`

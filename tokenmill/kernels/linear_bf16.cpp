@@ -78,11 +78,11 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t
 // std::integral_constant) rows of x, from row m0, and those rows of W. `prefetch(n0)` asks for
 // rows n0.. in W's format (kernels/prefetch.cpp says why); it is called a block of rows ahead.
 template <typename RowsAt, typename Multiply, typename Finish, typename Prefetch>
-torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int64_t scratch_size,
+torch::Tensor few_rows_product(const torch::Tensor& x, const torch::Tensor& out,
+                               int64_t scratch_size,
                                RowsAt rows_at, Multiply multiply, Finish finish,
                                Prefetch prefetch) {
-  const int64_t rows = x.size(0);
-  auto out = torch::empty({rows, out_features}, x.options());
+  const int64_t rows = x.size(0), out_features = out.size(1);
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
   auto* ys = out.data_ptr<c10::BFloat16>();
   const int64_t x_stride = x.stride(0);
@@ -90,7 +90,7 @@ torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int
   constexpr int64_t kRunTiles = 8;
   const int64_t tiles = out_features / kWeightRows;
   share_blocks((tiles + kRunTiles - 1) / kRunTiles, [&](auto take) {
-    std::vector<uint16_t> scratch(scratch_size);
+    uint16_t* const scratch = reused_buffer<uint16_t, 1>(scratch_size);
     float sums[kInputRows][kWeightRows];
     take([&](int64_t run, int64_t next_run) {
       const int64_t end = std::min(tiles, (run + 1) * kRunTiles);
@@ -98,7 +98,7 @@ torch::Tensor few_rows_product(const torch::Tensor& x, int64_t out_features, int
         const int64_t n0 = tile_index * kWeightRows;
         if (tile_index + 1 < end) prefetch(n0 + kWeightRows);
         else if (next_run >= 0) prefetch(next_run * kRunTiles * kWeightRows);
-        const auto located = rows_at(n0, scratch.data());
+        const auto located = rows_at(n0, scratch);
         for (int64_t m0 = 0; m0 < rows; m0 += kInputRows) {
           const uint16_t* xm = xs + m0 * x_stride;
           switch (std::min(kInputRows, rows - m0)) {
@@ -222,9 +222,10 @@ inline void lanes_tile(const uint32_t* x_pairs, int64_t pair_count, const uint32
 // zero) and even; width a multiple of 32; out_features a multiple of kLaneOutputs. Each output is
 // rounded once, after the bias.
 template <typename Widen>
-torch::Tensor lanes_product(const torch::Tensor& x, int64_t out_features, int64_t width,
+torch::Tensor lanes_product(const torch::Tensor& x, const torch::Tensor& out, int64_t width,
                             Widen widen, const Bias& bias) {
   const int64_t rows = x.size(0), in_features = x.size(1), pair_count = width / 2;
+  const int64_t out_features = out.size(1);
   TORCH_CHECK(in_features % 2 == 0 && in_features <= width && width % 32 == 0 &&
                   out_features % kLaneOutputs == 0,
               "lanes_product: K even, W rows a multiple of 32");
@@ -233,7 +234,6 @@ torch::Tensor lanes_product(const torch::Tensor& x, int64_t out_features, int64_
   for (int64_t m = 0; m < rows; ++m)
     std::memcpy(x_pairs.data() + m * pair_count, xs + m * x.stride(0),
                 in_features * sizeof(uint16_t));
-  auto out = torch::empty({rows, out_features}, x.options());
   auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, out_features / kLaneOutputs, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> widened(kLaneOutputs * width);
@@ -289,6 +289,17 @@ void check_few_rows_input(const torch::Tensor& x, const c10::optional<torch::Ten
                         bias->numel() == out_features), name, ": bias [N] bfloat16");
 }
 
+// A product's output [M, N]: `out` where the caller gives one (decode_layers.cpp keeps a step's
+// outputs from layer to layer), else a new tensor.
+torch::Tensor product_output(const torch::Tensor& x, int64_t out_features,
+                             const c10::optional<torch::Tensor>& out, const char* name) {
+  if (!out) return torch::empty({x.size(0), out_features}, x.options());
+  TORCH_CHECK(out->dim() == 2 && out->size(0) == x.size(0) && out->size(1) == out_features &&
+                  out->is_contiguous() && out->scalar_type() == x.scalar_type(),
+              name, ": out [M, N] contiguous, x's dtype");
+  return *out;
+}
+
 #endif
 
 }  // namespace
@@ -308,7 +319,9 @@ bool linear_bf16_available() {
 // Interleaved, each block of four rows is one run of memory, read in order: the hardware
 // prefetcher follows it, where four rows as they lie are four short streams (1,152 bytes for
 // SmolLM2's 576 inputs) that it barely starts on, even with prefetch_bytes asking for them.
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+torch::Tensor linear_bf16_out(const torch::Tensor& x, const torch::Tensor& weight,
+                              const c10::optional<torch::Tensor>& bias,
+                              const c10::optional<torch::Tensor>& into) {
   const WithoutGil without_gil;
 #if defined(__AVX512BF16__)
   const bool interleaved = weight.dim() == 4;
@@ -321,6 +334,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
                                      out_features % kWeightRows == 0),
               "linear_bf16: weight bfloat16 contiguous, [N, K] with N a multiple of 4, or "
               "[N / 4, K / 32, 4, 32]");
+  const torch::Tensor out = product_output(x, out_features, into, "linear_bf16");
   const auto* ws = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   const Bias b(bias);
   const int64_t in_features = x.size(1);
@@ -328,22 +342,26 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<t
   const auto rows_at = [&](int64_t n0, uint16_t*) { return ws + n0 * in_features; };
   const auto finish = [&](int64_t n, float sum) { return sum + b[n]; };
   if (interleaved)
-    return few_rows_product(x, out_features, 0, rows_at, BFloat16Rows{32, in_features, 128},
+    return few_rows_product(x, out, 0, rows_at, BFloat16Rows{32, in_features, 128},
                             finish, [](int64_t) {});
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (use_amx(x.size(0), out_features, in_features))
     return amx_product(
-        x, out_features, in_features, false,
+        x, out, in_features, false,
         [&](int64_t n0, int64_t, int64_t k0, int64_t, uint16_t*, int64_t) {
           return std::pair<const uint16_t*, int64_t>{ws + n0 * in_features + k0, in_features};
         },
         nullptr, b.values, ws, in_features * static_cast<int64_t>(sizeof(uint16_t)));
 #endif
-  return few_rows_product(x, out_features, 0, rows_at,
+  return few_rows_product(x, out, 0, rows_at,
                           BFloat16Rows{in_features, in_features, 32, true}, finish,
                           [](int64_t) {});
 #else
   TORCH_CHECK(false, "linear_bf16: built without AVX-512 BF16");
   return x;
 #endif
+}
+
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  return linear_bf16_out(x, weight, bias, c10::nullopt);
 }

@@ -64,11 +64,12 @@ inline __m512bh widen_int8(const int8_t* codes) {
 // max |x| / 2q a value (2^-16 to 2^-13 of the largest for K up to 4864), far below the output's
 // bfloat16 rounding. Each row is quantized on its own: its result doesn't depend on the others.
 struct Int16Activations {
-  std::vector<int16_t> codes;  // [M, K]
-  std::vector<float> scales;   // [M]
+  int16_t* codes;  // [M, K]
+  float* scales;   // [M]
 
   explicit Int16Activations(const torch::Tensor& x)
-      : codes(x.size(0) * x.size(1)), scales(x.size(0)) {
+      : codes(reused_buffer<int16_t, 0>(x.size(0) * x.size(1))),
+        scales(reused_buffer<float, 0>(x.size(0))) {
     const int64_t in_features = x.size(1);
     const float levels = std::min(32767.0, std::floor(2147483647.0 / (127.0 * in_features)));
     const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr());
@@ -84,7 +85,7 @@ struct Int16Activations {
       const float biggest = _mm512_reduce_max_ps(largest);
       const __m512 inverse = _mm512_set1_ps(biggest > 0.f ? levels / biggest : 0.f);
       for (int64_t k = 0; k < in_features; k += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes.data() + m * in_features + k),
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + m * in_features + k),
                             _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(
                                 _mm512_mul_ps(load(row + k), inverse))));
       scales[m] = biggest / levels;
@@ -103,7 +104,7 @@ template <int MT>
 inline void int8_tile(const Int16Activations& a, int64_t m0, const int8_t* codes,
                       int64_t in_features, float out[kInputRows][kWeightRows],
                       const int8_t* ahead) {
-  const int16_t* xq = a.codes.data() + m0 * in_features;
+  const int16_t* xq = a.codes + m0 * in_features;
   for (int n = 0; n < kWeightRows; ++n) {
     const int8_t* row = codes + n * in_features;
     __m512i even[MT], odd[MT];
@@ -429,16 +430,15 @@ struct Int4Chunk {
   int64_t first_group;
 };
 
-std::vector<Int4Chunk> int4_chunks(int64_t row_bytes, int64_t half, int64_t groups) {
-  std::vector<Int4Chunk> chunks;
+// Into chunks [ceil(row_bytes / 64)].
+void int4_chunks(int64_t row_bytes, int64_t half, int64_t groups, Int4Chunk* chunks) {
   for (int64_t first_byte = 0; first_byte < row_bytes; first_byte += 64) {
     const int64_t first_group = first_byte / half;
-    chunks.push_back({row_bytes - first_byte >= 64
-                          ? ~__mmask64{0}
-                          : (__mmask64{1} << (row_bytes - first_byte)) - 1,
-                      first_lanes(groups - first_group), first_group});
+    chunks[first_byte / 64] = {row_bytes - first_byte >= 64
+                                   ? ~__mmask64{0}
+                                   : (__mmask64{1} << (row_bytes - first_byte)) - 1,
+                               first_lanes(groups - first_group), first_group};
   }
-  return chunks;
 }
 
 // x [M, K] quantized for the int4 product, laid out 64 bytes of a weight row (a "chunk") at a
@@ -446,28 +446,36 @@ std::vector<Int4Chunk> int4_chunks(int64_t row_bytes, int64_t half, int64_t grou
 // for each chunk's 16 lanes, x's scale and -8 times the sum of the lane's 8 codes. x's codes
 // share a scale per 16 bytes of W (4 lanes: 16 values the low nibbles meet and 16 the high),
 // finer than W's groups at no cost in the product.
-// With rotation signs, x is rotated first (hadamard.cpp), in float32, never rounded.
+// With rotation signs, x is rotated first (hadamard.cpp), in float32, never rounded. In the
+// calling thread's reused buffers (kernels/scratch.cpp): the product reads them until it returns.
 struct Int4Activations {
   int64_t chunks, groups;
-  std::vector<Int4Chunk> layout;  // [chunks]: where each chunk of W's rows lies
-  std::vector<int8_t> codes;      // [M, chunks, 2, 64]
-  std::vector<int32_t> offsets;   // [M, chunks, 16]
-  std::vector<float> scales;      // [M, chunks, 16]
-  std::vector<float> sums;        // [M, groups]: sum of x over the group, in float32
+  Int4Chunk* layout;  // [chunks]: where each chunk of W's rows lies
+  int8_t* codes;      // [M, chunks, 2, 64]
+  int32_t* offsets;   // [M, chunks, 16]
+  float* scales;      // [M, chunks, 16]
+  float* sums;        // [M, groups]: sum of x over the group, in float32
 
   Int4Activations(const torch::Tensor& x, int64_t padded, int64_t group_size, int64_t groups_,
                   const float* rotation_signs)
       : chunks((padded / 2 + 63) / 64), groups(groups_),
-        layout(int4_chunks(padded / 2, group_size / 2, groups)),
-        codes(x.size(0) * chunks * 128, 0), offsets(x.size(0) * chunks * 16),
-        scales(x.size(0) * chunks * 16), sums(x.size(0) * groups) {
+        layout(reused_buffer<Int4Chunk, 0>(chunks)),
+        codes(reused_buffer<int8_t, 0>(x.size(0) * chunks * 128)),
+        offsets(reused_buffer<int32_t, 0>(x.size(0) * chunks * 16)),
+        scales(reused_buffer<float, 1>(x.size(0) * chunks * 16)),
+        sums(reused_buffer<float, 2>(x.size(0) * groups)) {
+    int4_chunks(padded / 2, group_size / 2, groups, layout);
+    // A last chunk's bytes past the row are loaded too (the masks leave them out of the sums)
+    std::fill_n(codes, x.size(0) * chunks * 128, int8_t{0});
+    std::fill_n(scales, x.size(0) * chunks * 16, 0.f);
     at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> values(padded, 0.f);
+      float* const values = reused_buffer<float, 3>(padded);
+      std::fill(values + x.size(1), values + padded, 0.f);  // float_row writes the first K
       for (int64_t m = begin; m < end; ++m) {
-        float_row(x, m, rotation_signs, values.data());
-        int8_t* row_codes = codes.data() + m * chunks * 128;
+        float_row(x, m, rotation_signs, values);
+        int8_t* row_codes = codes + m * chunks * 128;
         for (int64_t g = 0; g < groups; ++g) {
-          const float* group = values.data() + g * group_size;
+          const float* group = values + g * group_size;
           const int64_t width = group_width(g, groups, padded, group_size), half = width / 2;
           __m512 sum = _mm512_setzero_ps();
           for (int64_t i = 0; i < width; i += 16)
@@ -484,7 +492,7 @@ struct Int4Activations {
                                  _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse))));
             _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 64), _mm512_cvtsepi32_epi8(
                                  _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse))));
-            std::fill_n(scales.data() + (m * chunks + chunk) * 16 + byte % 64 / 4, 4,
+            std::fill_n(scales + (m * chunks + chunk) * 16 + byte % 64 / 4, 4,
                         piece_max / 127.f);
           }
         }
@@ -494,7 +502,7 @@ struct Int4Activations {
           const __m512i lane_sums = _mm512_dpbusd_epi32(
               _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(chunk)), ones,
               _mm512_loadu_si512(chunk + 64));
-          _mm512_storeu_si512(offsets.data() + (m * chunks + c) * 16,
+          _mm512_storeu_si512(offsets + (m * chunks + c) * 16,
                               _mm512_mullo_epi32(lane_sums, _mm512_set1_epi32(-8)));
         }
       }
@@ -532,10 +540,10 @@ inline void int4_tile(const Int4Activations& a, int64_t m0, const uint8_t* codes
 #pragma GCC unroll 4
     for (int m = 0; m < MT; ++m) {
       const int64_t at = (m0 + m) * a.chunks + c;
-      x_low[m] = _mm512_loadu_si512(a.codes.data() + at * 128);
-      x_high[m] = _mm512_loadu_si512(a.codes.data() + at * 128 + 64);
-      offsets[m] = _mm512_loadu_si512(a.offsets.data() + at * 16);
-      x_scale[m] = _mm512_loadu_ps(a.scales.data() + at * 16);
+      x_low[m] = _mm512_loadu_si512(a.codes + at * 128);
+      x_high[m] = _mm512_loadu_si512(a.codes + at * 128 + 64);
+      offsets[m] = _mm512_loadu_si512(a.offsets + at * 16);
+      x_scale[m] = _mm512_loadu_ps(a.scales + at * 16);
     }
 #pragma GCC unroll 8
     for (int n = 0; n < NR; ++n) {
@@ -566,7 +574,7 @@ inline void int4_tile(const Int4Activations& a, int64_t m0, const uint8_t* codes
 #pragma GCC unroll 4
       for (int m = 0; m < MT; ++m)
         acc[m][n] = _mm512_fmadd_ps(
-            zero, _mm512_maskz_loadu_ps(lanes, a.sums.data() + (m0 + m) * groups + g), acc[m][n]);
+            zero, _mm512_maskz_loadu_ps(lanes, a.sums + (m0 + m) * groups + g), acc[m][n]);
     }
   }
 #pragma GCC unroll 4
@@ -824,10 +832,10 @@ struct Int4Weights {
 
   // x by W through x's int8 codes (`a`, up to kInt8ActivationMaxRows rows), eight rows of W a
   // tile (four for a last four), each thread a run of tiles.
-  torch::Tensor code_product(const torch::Tensor& x, const Int4Activations& a) const {
+  torch::Tensor code_product(const torch::Tensor& x, const Int4Activations& a,
+                             const torch::Tensor& out) const {
     constexpr int64_t kTileOutputs = 8;
     const int64_t rows = x.size(0), row_bytes = padded / 2, half = group_size / 2;
-    auto out = torch::empty({rows, out_features}, x.options());
     auto* ys = out.data_ptr<c10::BFloat16>();
     const auto finish = [&](int64_t n, float sum) { return sum + bias[n]; };
     const int64_t tiles = (out_features + kTileOutputs - 1) / kTileOutputs;
@@ -859,11 +867,11 @@ struct Int4Weights {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
   // x by W on AMX-INT8 tiles through x's int8 codes per row and group (groups of 128 or more):
   // each block of 32 rows of W unpacked once for every row of x, each thread a run of blocks.
-  torch::Tensor tile_code_product(const torch::Tensor& x, const float* rotation_signs) const {
+  torch::Tensor tile_code_product(const torch::Tensor& x, const float* rotation_signs,
+                                  const torch::Tensor& out) const {
     const Int4TileSteps layout(padded, group_size, groups);
     const Int4TileActivations a(x, padded, group_size, layout, rotation_signs);
     const int64_t rows = x.size(0), row_bytes = padded / 2;
-    auto out = torch::empty({rows, out_features}, x.options());
     auto* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
     const int64_t w_blocks = (out_features + kBlockOutputs - 1) / kBlockOutputs;
     at::parallel_for(0, w_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -915,12 +923,13 @@ struct Int4Weights {
   // multiplied on AMX tiles (linear_amx.cpp); else from kLanesMinRows rows, where `lanes` allows
   // (not for gguf's exact layers: they sum as linear_bf16's tile does), by lanes_product; else
   // by linear_bf16.cpp's tile.
-  torch::Tensor widened_product(const torch::Tensor& x, bool tiles, bool lanes) const {
+  torch::Tensor widened_product(const torch::Tensor& x, bool tiles, bool lanes,
+                                const torch::Tensor& out) const {
     const torch::Tensor xo = group_size % 64 == 0 ? fused_order(x, padded, group_size, groups) : x;
     if (!tiles && lanes && x.size(0) >= kLanesMinRows && out_features % kLaneOutputs == 0 &&
         padded % 32 == 0)
       return lanes_product(
-          xo, out_features, padded,
+          xo, out, padded,
           [&](int64_t n0, uint16_t* rows) {
             for (int64_t r = 0; r < kLaneOutputs; r += kWeightRows)
               widen_int4_rows(codes + (n0 + r) * padded / 2, scales + (n0 + r) * groups,
@@ -931,7 +940,7 @@ struct Int4Weights {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (tiles)
       return amx_product(
-          xo, out_features, padded, true,
+          xo, out, padded, true,
           [&](int64_t n0, int64_t count, int64_t k0, int64_t k1, uint16_t* scratch,
               int64_t stride) {
             for (int64_t r = 0; r < count; r += kWeightRows)
@@ -944,7 +953,7 @@ struct Int4Weights {
 #endif
     if (group_size == 32 && padded % 64 == 0)
       return few_rows_product(
-          xo, out_features, 0, [](int64_t n0, uint16_t*) { return n0; },
+          xo, out, 0, [](int64_t n0, uint16_t*) { return n0; },
           [&](auto mt, int64_t n0, const uint16_t* xm, int64_t x_stride, int64_t,
               float sums[kInputRows][kWeightRows]) {
             int4_exact_tile<decltype(mt)::value>(xm, x_stride, codes + n0 * padded / 2,
@@ -953,7 +962,7 @@ struct Int4Weights {
           },
           [&](int64_t n, float sum) { return sum + bias[n]; }, prefetch());
     return few_rows_product(
-        xo, out_features, kWeightRows * padded,
+        xo, out, kWeightRows * padded,
         [&](int64_t n0, uint16_t* scratch) {
           widen_int4_rows(codes + n0 * padded / 2, scales + n0 * groups, mins + n0 * groups,
                           padded, group_size, groups, scratch);
@@ -972,8 +981,9 @@ struct Int4Weights {
 // (GGUF's Q8_0); bias [N] bfloat16 or None. Returns [M, N] bfloat16. Grouped, each block of W is
 // widened to its de-quantized bfloat16 values and multiplied by linear_bf16's tile: the result is
 // linear_bf16's on the de-quantized W, bit for bit, at any number of rows.
-torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                          c10::optional<torch::Tensor> bias) {
+torch::Tensor linear_int8_out(const torch::Tensor& x, const torch::Tensor& codes,
+                              const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias,
+                              const c10::optional<torch::Tensor>& into) {
   const WithoutGil without_gil;
 #if defined(__AVX512BF16__)
   const int64_t in_features = x.size(1), out_features = codes.size(0);
@@ -987,6 +997,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
                   scales.numel() == out_features * groups && groups > 0 &&
                   in_features % (32 * groups) == 0,
               "linear_int8: scales float32, [N] or [N, K / group_size], groups of 32 or more");
+  const torch::Tensor out = product_output(x, out_features, into, "linear_int8");
   const int8_t* cs = codes.data_ptr<int8_t>();
   const float* ss = scales.data_ptr<float>();
   const Bias b(bias);
@@ -999,7 +1010,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
     // as linear_bf16 multiplies the de-quantized W
     if (use_amx(x.size(0), out_features, in_features))
       return amx_product(
-          x, out_features, in_features, true,
+          x, out, in_features, true,
           [&](int64_t n0, int64_t count, int64_t k0, int64_t k1, uint16_t* scratch,
               int64_t stride) {
             widen_scaled_int8_columns(cs + n0 * in_features, ss + n0 * groups, in_features,
@@ -1009,7 +1020,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
           nullptr, b.values, cs, in_features);
 #endif
     return few_rows_product(
-        x, out_features, 0, [](int64_t n0, uint16_t*) { return n0; },
+        x, out, 0, [](int64_t n0, uint16_t*) { return n0; },
         [&](auto mt, int64_t n0, const uint16_t* xm, int64_t x_stride, int64_t,
             float sums[kInputRows][kWeightRows]) {
           scaled_int8_tile<decltype(mt)::value>(xm, x_stride, cs + n0 * in_features,
@@ -1022,7 +1033,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (use_amx(x.size(0), out_features, in_features))
     return amx_product(
-        x, out_features, in_features, true,
+        x, out, in_features, true,
         [&](int64_t n0, int64_t count, int64_t k0, int64_t k1, uint16_t* scratch,
             int64_t stride) {
           widen_int8_columns(cs + n0 * in_features, in_features, count, k0, k1, scratch, stride);
@@ -1032,7 +1043,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 #endif
   if (x.size(0) > kInputRows) {
     return few_rows_product(
-        x, out_features, kWeightRows * in_features,
+        x, out, kWeightRows * in_features,
         [&](int64_t n0, uint16_t* scratch) {
           widen_int8_columns(cs + n0 * in_features, in_features, kWeightRows, 0, in_features,
                              scratch, in_features);
@@ -1042,7 +1053,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   }
   const Int16Activations activations(x);
   return few_rows_product(
-      x, out_features, 0, [&](int64_t n0, uint16_t*) { return cs + n0 * in_features; },
+      x, out, 0, [&](int64_t n0, uint16_t*) { return cs + n0 * in_features; },
       [&](auto mt, const int8_t* rows, const uint16_t*, int64_t, int64_t m0,
           float sums[kInputRows][kWeightRows]) {
         int8_tile<decltype(mt)::value>(activations, m0, rows, in_features, sums,
@@ -1055,17 +1066,24 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
 #endif
 }
 
+torch::Tensor linear_int8(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                          c10::optional<torch::Tensor> bias) {
+  return linear_int8_out(x, codes, scales, bias, c10::nullopt);
+}
+
 // x [M, K] bfloat16 with contiguous rows; codes uint8 [N, P / 2] contiguous, P the row's length
 // in groups of group_size (a power of two, 32 or more) but for a narrower last one (group_width),
 // N a multiple of 4; scales and mins float32 [N, groups]; bias [N] bfloat16 or None; rotation_signs, when given, rotate
 // x first (hadamard.cpp): the layer's codes are of W R. Returns [M, N] bfloat16.
-torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                          torch::Tensor mins, int64_t group_size,
-                          c10::optional<torch::Tensor> bias,
-                          c10::optional<torch::Tensor> rotation_signs) {
+torch::Tensor linear_int4_out(const torch::Tensor& x, const torch::Tensor& codes,
+                              const torch::Tensor& scales, const torch::Tensor& mins,
+                              int64_t group_size, const c10::optional<torch::Tensor>& bias,
+                              const c10::optional<torch::Tensor>& rotation_signs,
+                              const c10::optional<torch::Tensor>& into) {
   const WithoutGil without_gil;
 #if defined(__AVX512BF16__)
   const Int4Weights w(x, codes, scales, mins, group_size, bias, "linear_int4");
+  const torch::Tensor out = product_output(x, w.out_features, into, "linear_int4");
   if (rotation_signs)
     TORCH_CHECK(rotation_signs->is_contiguous() && rotation_signs->scalar_type() == torch::kFloat &&
                     rotation_signs->numel() == kHadamardBlock && x.size(1) % kHadamardBlock == 0,
@@ -1073,38 +1091,54 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const bool amx = use_amx(x.size(0), w.out_features, w.padded);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
   if (amx && x.size(0) >= kInt4TileMinRows && group_size >= kInt4TileMinGroup)
-    return w.tile_code_product(x, rotation_signs ? rotation_signs->data_ptr<float>() : nullptr);
+    return w.tile_code_product(x, rotation_signs ? rotation_signs->data_ptr<float>() : nullptr,
+                               out);
 #endif
   const bool tiles = x.size(0) > kInt8ActivationMaxRowsWithAmx && amx;
   if (tiles || x.size(0) > kInt8ActivationMaxRows)
     return w.widened_product(rotation_signs ? hadamard_rotate(x, *rotation_signs) : x, tiles,
-                             true);
+                             true, out);
   const Int4Activations activations(
       x, w.padded, group_size, w.groups,
       rotation_signs ? rotation_signs->data_ptr<float>() : nullptr);
-  return w.code_product(x, activations);
+  return w.code_product(x, activations, out);
 #else
   TORCH_CHECK(false, "linear_int4: built without AVX-512 BF16");
   return x;
 #endif
 }
 
+torch::Tensor linear_int4(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                          torch::Tensor mins, int64_t group_size,
+                          c10::optional<torch::Tensor> bias,
+                          c10::optional<torch::Tensor> rotation_signs) {
+  return linear_int4_out(x, codes, scales, mins, group_size, bias, rotation_signs, c10::nullopt);
+}
+
 // linear_bf16(x, W) on the de-quantized W, bit for bit, at any number of rows, for int4 layers of
 // groups of 32 without padding (GGUF's Q4_0 and Q4_1): each block of W is widened to the
 // bfloat16 values dequantize_int4 gives, in order, and multiplied by linear_bf16's tile. Arguments
 // as linear_int4's.
-torch::Tensor linear_int4_exact(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
-                                torch::Tensor mins, c10::optional<torch::Tensor> bias) {
+torch::Tensor linear_int4_exact_out(const torch::Tensor& x, const torch::Tensor& codes,
+                                    const torch::Tensor& scales, const torch::Tensor& mins,
+                                    const c10::optional<torch::Tensor>& bias,
+                                    const c10::optional<torch::Tensor>& into) {
   const WithoutGil without_gil;
 #if defined(__AVX512BF16__)
   const Int4Weights w(x, codes, scales, mins, 32, bias, "linear_int4_exact");
   TORCH_CHECK(w.padded == x.size(1), "linear_int4_exact: K a multiple of 32, no padding");
   // As linear_bf16 does: never lanes_product, whose sums run in another order.
-  return w.widened_product(x, use_amx(x.size(0), w.out_features, w.padded), false);
+  return w.widened_product(x, use_amx(x.size(0), w.out_features, w.padded), false,
+                           product_output(x, w.out_features, into, "linear_int4_exact"));
 #else
   TORCH_CHECK(false, "linear_int4_exact: built without AVX-512 BF16");
   return x;
 #endif
+}
+
+torch::Tensor linear_int4_exact(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                                torch::Tensor mins, c10::optional<torch::Tensor> bias) {
+  return linear_int4_exact_out(x, codes, scales, mins, bias, c10::nullopt);
 }
 
 // Writes W into `out` [R, C] (float32, bfloat16 or float16, contiguous; C <= P, the columns past

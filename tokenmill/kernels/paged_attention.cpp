@@ -445,17 +445,17 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
   std::vector<float> partial(slots * slot_floats);
   std::vector<std::atomic<int64_t>> unfinished(splits.size());
   for (size_t s = 0; s < splits.size(); ++s) unfinished[s] = splits[s].parts;
+  const int64_t acc_floats = num_heads * head_dim;
   // Sequence b's attention, from float32 acc.
-  const auto store = [&](int64_t b, const std::vector<float>& acc) {
-    Q* dst = out + b * num_heads * head_dim;
-    for (int64_t i = 0; i < num_heads * head_dim; ++i) dst[i] = static_cast<Q>(acc[i]);
+  const auto store = [&](int64_t b, const float* acc) {
+    Q* dst = out + b * acc_floats;
+    for (int64_t i = 0; i < acc_floats; ++i) dst[i] = static_cast<Q>(acc[i]);
   };
   // Each split sequence: its parts' sums, each rescaled from its own max to the largest.
-  const auto merge = [&](const Split& split, std::vector<float>& acc,
-                         std::vector<float>& weights) {
+  const auto merge = [&](const Split& split, float* acc) {
     const int64_t first = split.first_part, count = split.parts, b = parts[first].sequence;
-    weights.resize(count);
-    std::fill(acc.begin(), acc.end(), 0.f);
+    float* const weights = reused_buffer<float, 10>(count);
+    std::fill_n(acc, acc_floats, 0.f);
     for (int64_t g = 0; g < num_heads; ++g) {
       const auto stat = [&](int64_t p, int64_t which) {
         return partial[parts[first + p].slot * slot_floats + num_heads * head_dim + 2 * g + which];
@@ -478,20 +478,21 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
   // Threads share the parts out (kernels/work_sharing.cpp): a thread's sequences summed to more
   // tokens than the other's, or came from memory later.
   share_blocks(static_cast<int64_t>(parts.size()), [&](auto take) {
-    std::vector<float> scores, row(head_dim), acc(num_heads * head_dim), weights;
-    std::vector<float> queries(num_heads * head_dim);
+    float* const row = reused_buffer<float, 11>(head_dim);
+    float* const acc = reused_buffer<float, 12>(acc_floats);
+    float* const queries = reused_buffer<float, 13>(acc_floats);
     take([&](int64_t i, int64_t next) {
       const Part& part = parts[i];
       const int64_t b = part.sequence, len = part.end - part.first;
       const int64_t* table = block_tables + b * table_stride + part.first / block_size;
-      load_row(q + b * q_token_stride, num_heads * head_dim, queries.data());
-      scores.resize(num_heads * len);  // [head][t]
+      load_row(q + b * q_token_stride, acc_floats, queries);
+      float* const scores = reused_buffer<float, 14>(num_heads * len);  // [head][t]
       for_each_run(k_cache, table, len, block_size, token_stride, run,
                    [&](int64_t t, const T* tokens, int64_t room, int64_t count, const Ahead& ahead) {
         for (int64_t g = 0; g < num_heads; ++g) {
           ahead.part(g, num_heads);
           const T* rows = tokens + (g / group) * row_width;
-          float* out_scores = scores.data() + g * len + t;
+          float* out_scores = scores + g * len + t;
 #if defined(__AVX512F__)
           if constexpr (kVectorRows<T>) {
             if (vector_rows && room >= kRun) {
@@ -502,27 +503,27 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
                 continue;
               }
 #endif
-              score_run(queries.data() + g * head_dim, rows, token_stride, count, head_dim,
+              score_run(queries + g * head_dim, rows, token_stride, count, head_dim,
                         scale, out_scores);
               continue;
             }
           }
 #endif
-          score_rows(queries.data() + g * head_dim, rows, token_stride, count, head_dim, scale,
-                     out_scores, row.data());
+          score_rows(queries + g * head_dim, rows, token_stride, count, head_dim, scale,
+                     out_scores, row);
         }
       }, v_cache + table[0] * block_stride);
       float* slot = part.slot < 0 ? nullptr : partial.data() + part.slot * slot_floats;
       for (int64_t g = 0; g < num_heads; ++g) {
         if (slot == nullptr) {
-          softmax_(scores.data() + g * len, len);
+          softmax_(scores + g * len, len);
         } else {
-          const auto [peak, total] = exp_from_peak(scores.data() + g * len, len);
+          const auto [peak, total] = exp_from_peak(scores + g * len, len);
           slot[num_heads * head_dim + 2 * g] = peak;
           slot[num_heads * head_dim + 2 * g + 1] = total;
         }
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill_n(acc, acc_floats, 0.f);
       for_each_run(v_cache, table, len, block_size, token_stride, run,
                    [&](int64_t t, const T* tokens, int64_t, int64_t count, const Ahead& ahead) {
 #if defined(__AVX512F__)
@@ -530,9 +531,9 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
           if (vector_rows) {
             for (int64_t h = 0; h < num_kv_heads; ++h) {
               ahead.part(h, num_kv_heads);
-              accumulate_heads(scores.data() + h * group * len + t, len,
+              accumulate_heads(scores + h * group * len + t, len,
                                tokens + h * row_width, token_stride, count, head_dim, group,
-                               acc.data() + h * group * head_dim);
+                               acc + h * group * head_dim);
             }
             return;
           }
@@ -540,18 +541,18 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
 #endif
         ahead.part(0, 1);
         for (int64_t g = 0; g < num_heads; ++g)
-          accumulate_rows(scores.data() + g * len + t, tokens + (g / group) * row_width,
-                          token_stride, count, head_dim, acc.data() + g * head_dim, row.data());
+          accumulate_rows(scores + g * len + t, tokens + (g / group) * row_width,
+                          token_stride, count, head_dim, acc + g * head_dim, row);
       }, next >= 0 ? k_cache + first_key(parts[next]) : nullptr);
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, c10::BFloat16>)
-        if (vector_rows) in_dimension_order(acc.data(), num_heads * head_dim);
+        if (vector_rows) in_dimension_order(acc, acc_floats);
 #endif
       if (slot != nullptr) {
-        std::copy(acc.begin(), acc.end(), slot);
+        std::copy_n(acc, acc_floats, slot);
         // The last part done merges; acq_rel: it sees the other parts' writes.
         if (unfinished[part.split].fetch_sub(1, std::memory_order_acq_rel) == 1)
-          merge(splits[part.split], acc, weights);
+          merge(splits[part.split], acc);
         return;
       }
       store(b, acc);
