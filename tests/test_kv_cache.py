@@ -106,3 +106,11 @@ def test_reset_prefix_cache_forgets_every_prefix_but_not_while_blocks_are_held()
     run_prefill(kv, again)
     assert len(kv.find_cached_prefix(make_request(list(range(12))))) == 2
     kv.check_invariants([again])
+
+
+def test_token_ids_between_reads_across_prompt_and_output() -> None:
+    request = make_request([10, 11, 12])
+    request.output_token_ids += [20, 21]
+    for start in range(6):
+        for end in range(start, 6):
+            assert request.token_ids_between(start, end) == request.all_token_ids[start:end]

@@ -237,6 +237,10 @@ class LLMEngine:
     def _collect(self, requests: list[Request]) -> list[RequestOutput]:
         outputs, seen = [], set()
         for request in requests:
+            # An unfinished sequence's group is unfinished: a final-only one has nothing to say
+            # yet (LLM.generate's every request, every step; 0.44 ms of a 64-sequence step)
+            if not request.finished and request.sampling_params.output_kind == "final_only":
+                continue
             group_id = request.request_id.rpartition(":")[0]
             group = self.groups.get(group_id)
             if group is None or group_id in seen:

@@ -209,7 +209,7 @@ class ModelRunner:
             request, start = chunk.request, chunk.request.num_computed_tokens
             end = start + chunk.num_new_tokens
             query_start = len(input_ids)
-            tokens = request.all_token_ids[start:end - chunk.num_spec_tokens] \
+            tokens = request.token_ids_between(start, end - chunk.num_spec_tokens) \
                 + request.spec_token_ids[:chunk.num_spec_tokens]
             input_ids.extend(tokens)
             positions.extend(range(start, end))

@@ -87,6 +87,14 @@ class Request:
     def finished(self) -> bool:
         return self.status.finished
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without joining the whole lists (a decode step takes one
+        token of each sequence)."""
+        prompt = self.num_prompt_tokens
+        if start >= prompt:
+            return self.output_token_ids[start - prompt:end - prompt]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - prompt)]
+
     def token_at(self, index: int) -> int:
         if index < self.num_prompt_tokens:
             return self.prompt_token_ids[index]
