@@ -115,9 +115,18 @@ def kv_cache(shape: tuple[int, ...], int8: bool) -> torch.Tensor:
 def attention_pass(batch: int, context: int | None = None,
                    int8: bool = False) -> Callable[[ModuleType], None]:
     """One decode step's attention: 30 layers, each over its own bf16 (or int8) KV cache;
-    `context` cached tokens a sequence, else 84 to 364."""
-    lengths = torch.randint(84, 365, (batch,)) if context is None \
-        else torch.full((batch,), context)
+    `context` cached tokens a sequence, else 84 to 364 (attention_lengths)."""
+    return attention_over(attention_lengths(batch, context), int8)
+
+
+def attention_lengths(batch: int, context: int | None = None) -> torch.Tensor:
+    """Cached tokens of each of `batch` sequences: `context`, else drawn from 84 to 364."""
+    return torch.randint(84, 365, (batch,)) if context is None else torch.full((batch,), context)
+
+
+def attention_over(lengths: torch.Tensor, int8: bool = False) -> Callable[[ModuleType], None]:
+    """attention_pass over sequences of these lengths."""
+    batch = lengths.shape[0]
     blocks = (lengths + BLOCK - 1) // BLOCK
     tables = torch.zeros(batch, int(blocks.max()), dtype=torch.long)
     for b, start in enumerate((blocks.cumsum(0) - blocks).tolist()):
