@@ -35,7 +35,7 @@ from torch.utils.cpp_extension import load_inline
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels_ab import (BLOCK, HEAD_DIM, KV_HEADS, LAYERS, attention_lengths,  # noqa: E402
                              attention_over)
-from common import REPO_ROOT, save_report  # noqa: E402
+from common import REPO_ROOT, memory_sum_gb_per_s, save_report  # noqa: E402
 
 from tokenmill.kernels import CFLAGS, cpu_kernels  # noqa: E402
 
@@ -135,16 +135,9 @@ bool amx_available() { return false; }
 
 
 def sum_gb_per_s(threads: int) -> float:
-    """A sum over 1 GiB of float32 with `threads` threads: the median of 5."""
+    """common.memory_sum_gb_per_s with `threads` threads."""
     torch.set_num_threads(threads)
-    data = torch.ones(1 << 28)
-    data.sum()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        data.sum()
-        times.append(time.perf_counter() - start)
-    return data.nbytes / statistics.median(times) / 1e9
+    return memory_sum_gb_per_s()
 
 
 def attention_rate(kernels, rows: int, threads: int, passes: int) -> dict[str, float]:

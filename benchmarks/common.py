@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: the machine and commit a report records, timing a call, and
-writing a report."""
+"""What the benchmark scripts share: the machine and commit a report records, timing a call, the
+machine's memory bandwidth, and writing a report."""
 
 from __future__ import annotations
 
@@ -53,6 +53,17 @@ def seconds(fn: Callable[[], object], repeats: int) -> float:
     for _ in range(repeats):
         fn()
     return (time.perf_counter() - start) / repeats
+
+
+def memory_sum_gb_per_s() -> float:
+    """A plain sum over 1 GiB of float32 with torch's current threads, in GB/s: the memory rate
+    a kernel's own is set against."""
+    data = torch.ones(1 << 28)
+    data.sum()
+    start = time.perf_counter()
+    for _ in range(5):
+        data.sum()
+    return 5 * data.nbytes / (time.perf_counter() - start) / 1e9
 
 
 def save_report(path: Path, benchmark: str, **report: Any) -> None:

@@ -27,7 +27,7 @@ from tokenmill.model.loader import DEFAULT_MODEL, resolve_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import build_prompts  # noqa: E402
-from common import REPO_ROOT, save_report  # noqa: E402
+from common import REPO_ROOT, memory_sum_gb_per_s, save_report  # noqa: E402
 
 
 def timed_steps(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -83,15 +83,6 @@ def attention_rates(llm: LLM, prompts: list[list[int]], params: SamplingParams) 
         llm.engine.runner.model.decode_plan = plan
     return {key: {"calls": n, "s": s, "ms_per_call": 1e3 * s / n, "cache_gb_per_s": b / s / 1e9}
             for key, (n, s, b) in sorted(stats.items()) if n}
-
-
-def memory_sum_gb_per_s() -> float:
-    data = torch.ones(1 << 28)  # 1 GiB of float32
-    data.sum()
-    start = time.perf_counter()
-    for _ in range(5):
-        data.sum()
-    return 5 * data.nbytes / (time.perf_counter() - start) / 1e9
 
 
 def main() -> None:
