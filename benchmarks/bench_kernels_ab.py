@@ -14,7 +14,8 @@ instead runs bf16 decode attention over 30 layers' own KV caches (SmolLM2's head
 output; `--context N`: N each), so the cache comes from memory as in a decode step; `prefill`
 runs the bf16 prefill attention of a 2,048-token step, sequences of `--rows` tokens each
 attended from position 0; `attention-int8` and `prefill-int8` the same over int8 caches
-(`--kv-cache-dtype int8`'s rows); `sample`, `sample-top-p` and `sample-top-k` one step's draws
+(`--kv-cache-dtype int8`'s rows), and `attention-in-cache` the bf16 pass with every sequence
+on one sequence's blocks, which stay in cache: the kernel's arithmetic alone; `sample`, `sample-top-p` and `sample-top-k` one step's draws
 (kernels/sampling.cpp) for `--rows` sequences; `kv-write` and `kv-write-int8` one step's K/V
 written into 30 layers' caches, `--rows` tokens. The builds take turns going first; the figure is the median pass, in
 ms. The other commit's kernels are built from its `tokenmill/kernels` sources, with this
@@ -112,11 +113,12 @@ def kv_cache(shape: tuple[int, ...], int8: bool) -> torch.Tensor:
     return quantize_rows(values) if int8 else values.bfloat16()
 
 
-def attention_pass(batch: int, context: int | None = None,
-                   int8: bool = False) -> Callable[[ModuleType], None]:
+def attention_pass(batch: int, context: int | None = None, int8: bool = False,
+                   in_cache: bool = False) -> Callable[[ModuleType], None]:
     """One decode step's attention: 30 layers, each over its own bf16 (or int8) KV cache;
-    `context` cached tokens a sequence, else 84 to 364 (attention_lengths)."""
-    return attention_over(attention_lengths(batch, context), int8)
+    `context` cached tokens a sequence, else 84 to 364 (attention_lengths); `in_cache`: every
+    sequence on the same blocks (attention_over's `shared`)."""
+    return attention_over(attention_lengths(batch, context), int8, shared=in_cache)
 
 
 def attention_lengths(batch: int, context: int | None = None) -> torch.Tensor:
@@ -124,14 +126,19 @@ def attention_lengths(batch: int, context: int | None = None) -> torch.Tensor:
     return torch.randint(84, 365, (batch,)) if context is None else torch.full((batch,), context)
 
 
-def attention_over(lengths: torch.Tensor, int8: bool = False) -> Callable[[ModuleType], None]:
-    """attention_pass over sequences of these lengths."""
+def attention_over(lengths: torch.Tensor, int8: bool = False,
+                   shared: bool = False) -> Callable[[ModuleType], None]:
+    """attention_pass over sequences of these lengths; `shared`: every sequence reads the same
+    blocks (the longest one's), which then stay in cache, so the pass times the arithmetic."""
     batch = lengths.shape[0]
     blocks = (lengths + BLOCK - 1) // BLOCK
-    tables = torch.zeros(batch, int(blocks.max()), dtype=torch.long)
-    for b, start in enumerate((blocks.cumsum(0) - blocks).tolist()):
-        tables[b, :blocks[b]] = torch.arange(start, start + int(blocks[b]))
-    shape = (int(blocks.sum()), BLOCK, KV_HEADS, HEAD_DIM)
+    if shared:
+        tables = torch.arange(int(blocks.max())).expand(batch, -1).contiguous()
+    else:
+        tables = torch.zeros(batch, int(blocks.max()), dtype=torch.long)
+        for b, start in enumerate((blocks.cumsum(0) - blocks).tolist()):
+            tables[b, :blocks[b]] = torch.arange(start, start + int(blocks[b]))
+    shape = (int(blocks.max() if shared else blocks.sum()), BLOCK, KV_HEADS, HEAD_DIM)
     caches = [(kv_cache(shape, int8), kv_cache(shape, int8)) for _ in range(LAYERS)]
     q = torch.randn(batch, HEADS, HEAD_DIM).bfloat16()
     out = torch.empty_like(q)
@@ -215,7 +222,8 @@ def main() -> None:
     for quantization in args.formats.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
             int8_cache = quantization.endswith("-int8")  # attention-int8, prefill-int8
-            run = attention_pass(rows, args.context, int8_cache) \
+            run = attention_pass(rows, args.context, int8_cache,
+                                 in_cache=quantization == "attention-in-cache") \
                 if quantization.startswith("attention") \
                 else prefill_pass(rows, int8_cache) if quantization.startswith("prefill") \
                 else sampling_pass(quantization, rows) if quantization in SAMPLING \

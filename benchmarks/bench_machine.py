@@ -12,7 +12,8 @@ tiles wait for L2. Measured here, in one process:
 - decode attention over 30 layers' bf16 caches of `--rows` sequences (bench_kernels_ab.py's
   attention pass, tokenmill's kernel), with 1 and with all threads, and the bytes it reads a
   second: where both rise with the threads in step, each core's own reads bound them (the misses
-  one core keeps in flight), not the memory they share;
+  one core keeps in flight), not the memory they share; and the same pass with every sequence on
+  one sequence's blocks, which stay in cache: the kernel's arithmetic alone;
 - the AMX unit: TDPBF16PS one after another with no loads (the peak), then the product loop of
   linear_amx.cpp's blocks (two tiles of W by two of x, four loads for four products) with its
   operands cycling through 16 KB to 4 MB (L1, L2, the last-level cache), one thread.
@@ -140,12 +141,15 @@ def sum_gb_per_s(threads: int) -> float:
     return memory_sum_gb_per_s()
 
 
-def attention_rate(kernels, rows: int, threads: int, passes: int) -> dict[str, float]:
-    """Decode attention over 30 layers' caches: ms a pass (median) and the cache read a second."""
+def attention_rate(kernels, rows: int, threads: int, passes: int,
+                   in_cache: bool = False) -> dict[str, float]:
+    """Decode attention over 30 layers' caches: ms a pass (median) and the cache read a second.
+    `in_cache`: every sequence reads one sequence's blocks, which stay in L2, so the pass is the
+    kernel's arithmetic over as many bytes."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     lengths = attention_lengths(rows)
-    run = attention_over(lengths)
+    run = attention_over(lengths, shared=in_cache)
     cache_bytes = LAYERS * 2 * int(lengths.sum()) * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
     run(kernels)
     times = []
@@ -184,6 +188,9 @@ def main() -> None:
         print(f"decode attention, {args.rows} sequences x 30 layers, {t} thread(s): "
               f"{a['ms']:.2f} ms, the cache read at {a['cache_gb_per_s']:.1f} GB/s "
               f"({share:.0%} of the sum's rate with as many threads)")
+    in_cache = attention_rate(kernels, args.rows, threads, args.passes, in_cache=True)
+    print(f"decode attention, the same work with every sequence on one sequence's blocks (in "
+          f"cache), {threads} thread(s): {in_cache['ms']:.2f} ms")
     tdp = {}
     if probes.amx_available():
         torch.set_num_threads(1)
@@ -193,7 +200,7 @@ def main() -> None:
             f"{'no loads' if kb == '0' else kb + ' KB'} {ns:.1f}" for kb, ns in tdp.items()))
     save_report(args.output_json, "bench_machine", rows=args.rows, torch_threads=threads,
                 block_size=BLOCK, memory_latency_ns=latency, sum_gb_per_s=bandwidth,
-                decode_attention=attention, amx_tdp_ns=tdp)
+                decode_attention=attention, decode_attention_in_cache=in_cache, amx_tdp_ns=tdp)
 
 
 if __name__ == "__main__":

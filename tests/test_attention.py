@@ -262,16 +262,22 @@ def test_int8_prefill_attends_to_what_the_cache_holds(use_kernel):
     torch.testing.assert_close(last, whole[-tail:], atol=1e-6, rtol=1e-6)
 
 
+# SmolLM2's (its bf16 scores on AMX tiles where the CPU has them), Qwen2.5-0.5B's in blocks of
+# 32, and Qwen2.5-1.5B's (8 tiles of queries: more than the tiles hold, so VDPBF16PS).
+MODEL_SHAPES = [(9, 3, 64, 16), (14, 2, 64, 32), (12, 2, 128, 16)]
+
+
+@pytest.mark.parametrize("shape", MODEL_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_on_model_shapes(dtype):
-    """SmolLM2's shapes (9 query heads on 3 KV heads, head_dim 64, blocks of 16), where the kernel
-    takes its 16-rows-at-a-time path, with sequences ending anywhere in a block, and sequences
-    past 512 tokens, which attend in parts that are merged: the kernel equals the SDPA
+def test_decode_kernel_on_model_shapes(dtype, shape):
+    """Models' shapes (SmolLM2: 9 query heads on 3 KV heads, head_dim 64, blocks of 16), where
+    the kernel takes its 16-rows-at-a-time paths, with sequences ending anywhere in a block, and
+    sequences past 512 tokens, which attend in parts that are merged: the kernel equals the SDPA
     fallback."""
     if cpu_kernels() is None:
         pytest.skip("no C++ compiler here")
     torch.manual_seed(6)
-    heads, kv_heads, dim, block = 9, 3, 64, 16
+    heads, kv_heads, dim, block = shape
     lens = [1, 15, 16, 17, 40, 100, 512, 513, 1300]
     k_cache = torch.randn(192, block, kv_heads, dim).to(dtype)
     v_cache = torch.randn_like(k_cache)

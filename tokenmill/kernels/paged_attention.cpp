@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -407,6 +408,95 @@ struct Split {
   int64_t first_part, parts;  // parts [first_part, first_part + parts) of the task list
 };
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// A run's scores on AMX tiles, over a bfloat16 cache with a bfloat16 query. C tile 0 is the
+// run's 16 tokens by the query heads; for each KV head and each 32 of its dimensions, A tile 1
+// holds the run's 16 rows of that head as they lie in the pool, and a B tile (2 to 7, loaded
+// once a sequence) the query heads of its group as pairs of dimensions, zero in the other
+// heads' columns, so every head's scores sum in the one C tile. VDPBF16PS had multiplied each
+// query head by the rows again and reduced every dot product across lanes. Tried and left out:
+// a C tile per KV head, with the B tiles read from L1 for each product instead of staying in
+// tiles (the products then wait on the loads rather than on each other: no faster).
+class TileScores {
+ public:
+  static constexpr int64_t kQueryTiles = 6;  // tiles 2 to 7
+
+  TileScores(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t row_width,
+             int64_t token_stride)
+      : num_heads_(num_heads), group_(num_heads / num_kv_heads), num_kv_heads_(num_kv_heads),
+        chunks_(head_dim / kTileDepth), head_dim_(head_dim), row_width_(row_width),
+        token_stride_(token_stride) {}
+
+  // Whether a cache of this shape fits: the query heads in C's 16 columns, a KV head's
+  // dimensions in 32s, a B tile for each.
+  static bool fits(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+    return num_heads <= kTileRows && head_dim % kTileDepth == 0 &&
+           num_kv_heads * (head_dim / kTileDepth) <= kQueryTiles && amx_permitted();
+  }
+
+  // B tile (KV head h, dimensions 32 c..): element (r, 2 n + j) is query head n's dimension
+  // 32 c + 2 r + j for n in h's group, else zero.
+  void load_queries(const c10::BFloat16* q) const {
+    alignas(64) uint32_t tiles[kQueryTiles][kTileRows * kTileRows] = {};
+    for (int64_t n = 0; n < num_heads_; ++n)
+      for (int64_t c = 0; c < chunks_; ++c)
+        for (int64_t r = 0; r < kTileRows; ++r)
+          std::memcpy(&tiles[n / group_ * chunks_ + c][r * kTileRows + n],
+                      q + n * head_dim_ + c * kTileDepth + 2 * r, sizeof(uint32_t));
+    for (int64_t i = 0; i < num_kv_heads_ * chunks_; ++i) load_query_tile(i, tiles[i]);
+  }
+
+  // scores[n * len + i] = scale * (query head n . row i) for the first `count` of the 16 rows
+  // from `tokens` (all 16 inside one block: rows past count are read, never stored).
+  void score(const c10::BFloat16* tokens, int64_t count, float scale, float* scores, int64_t len,
+             const Ahead& ahead) const {
+    _tile_zero(0);
+    for (int64_t h = 0; h < num_kv_heads_; ++h) {
+      ahead.part(h, num_kv_heads_);
+      for (int64_t c = 0; c < chunks_; ++c) {
+        _tile_loadd(1, tokens + h * row_width_ + c * kTileDepth, token_stride_ * 2);
+        add_product(h * chunks_ + c);
+      }
+    }
+    alignas(64) float sums[kTileRows * kTileRows];
+    _tile_stored(0, sums, 64);
+    __m512 rows[kTileRows];
+    for (int64_t i = 0; i < kTileRows; ++i) rows[i] = _mm512_load_ps(sums + i * kTileRows);
+    transpose16x16(rows);
+    const auto lanes = static_cast<__mmask16>((1u << count) - 1);
+    for (int64_t n = 0; n < num_heads_; ++n)
+      _mm512_mask_storeu_ps(scores + n * len, lanes, _mm512_mul_ps(rows[n], _mm512_set1_ps(scale)));
+  }
+
+ private:
+  // B tile i is tile 2 + i; the intrinsics take tile numbers as literals.
+  static void load_query_tile(int64_t i, const void* tile) {
+    switch (i) {
+      case 0: _tile_loadd(2, tile, 64); break;
+      case 1: _tile_loadd(3, tile, 64); break;
+      case 2: _tile_loadd(4, tile, 64); break;
+      case 3: _tile_loadd(5, tile, 64); break;
+      case 4: _tile_loadd(6, tile, 64); break;
+      default: _tile_loadd(7, tile, 64);
+    }
+  }
+
+  // C (tile 0) += A (tile 1) times B tile i.
+  static void add_product(int64_t i) {
+    switch (i) {
+      case 0: _tile_dpbf16ps(0, 1, 2); break;
+      case 1: _tile_dpbf16ps(0, 1, 3); break;
+      case 2: _tile_dpbf16ps(0, 1, 4); break;
+      case 3: _tile_dpbf16ps(0, 1, 5); break;
+      case 4: _tile_dpbf16ps(0, 1, 6); break;
+      default: _tile_dpbf16ps(0, 1, 7);
+    }
+  }
+
+  int64_t num_heads_, group_, num_kv_heads_, chunks_, head_dim_, row_width_, token_stride_;
+};
+#endif
+
 // One task a part of a sequence, all its heads together: a task reading one head's rows strided
 // through the pool was bound by memory latency (3 GB/s); whole tokens are contiguous.
 template <typename Q, typename T>
@@ -475,9 +565,19 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
   const auto first_key = [&](const Part& part) {
     return block_tables[part.sequence * table_stride + part.first / block_size] * block_stride;
   };
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  constexpr bool kTilesApply = std::is_same_v<T, c10::BFloat16> && std::is_same_v<Q, c10::BFloat16>;
+  const bool tile_scores = kTilesApply && run == kRun && block_size % kRun == 0 &&
+                           TileScores::fits(num_heads, num_kv_heads, head_dim);
+  const TileScores scorer(num_heads, num_kv_heads, head_dim, row_width, token_stride);
+#endif
   // Threads share the parts out (kernels/work_sharing.cpp): a thread's sequences summed to more
   // tokens than the other's, or came from memory later.
   share_blocks(static_cast<int64_t>(parts.size()), [&](auto take) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    std::optional<Tiles> tiles;
+    if (tile_scores) tiles.emplace();
+#endif
     float* const row = reused_buffer<float, 11>(head_dim);
     float* const acc = reused_buffer<float, 12>(acc_floats);
     float* const queries = reused_buffer<float, 13>(acc_floats);
@@ -487,8 +587,20 @@ void decode(const Q* q, int64_t q_token_stride, const T* k_cache, const T* v_cac
       const int64_t* table = block_tables + b * table_stride + part.first / block_size;
       load_row(q + b * q_token_stride, acc_floats, queries);
       float* const scores = reused_buffer<float, 14>(num_heads * len);  // [head][t]
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      if constexpr (kTilesApply)
+        if (tile_scores) scorer.load_queries(q + b * q_token_stride);
+#endif
       for_each_run(k_cache, table, len, block_size, token_stride, run,
                    [&](int64_t t, const T* tokens, int64_t room, int64_t count, const Ahead& ahead) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if constexpr (kTilesApply) {
+          if (tile_scores) {  // runs of 16 in blocks of a multiple of 16
+            scorer.score(tokens, count, scale, scores + t, len, ahead);
+            return;
+          }
+        }
+#endif
         for (int64_t g = 0; g < num_heads; ++g) {
           ahead.part(g, num_heads);
           const T* rows = tokens + (g / group) * row_width;
