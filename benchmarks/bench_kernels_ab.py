@@ -3,23 +3,23 @@ commit's, in one process.
 
 This VM's run-to-run noise (single-stream decode moves 10 to 40% between runs) hides a 10 to 15%
 change in a kernel, so both builds are timed in one process, interleaved, on the same weights.
-A pass calls every decode product of SmolLM2 in model order (30 layers of qkv, o, gate_up and
-down, then the lm_head), each with its own random weight, so every weight comes from memory as
-in decode; bf16 weights go to linear_bf16 as they lie (its few-row tiles, or AMX tiles from 3
-rows), int4 layers are group 128 with rotated inputs, as `gptq-hadamard` makes them (the lm_head
-without), and gguf layers Q4_1's groups of 32 through linear_int4_exact, the lm_head Q8_0's
-int8 codes with a scale per 32 through linear_int8, as SmolLM2's GGUF file holds them. The `attention` format
-instead runs bf16 decode attention over 30 layers' own KV caches (SmolLM2's heads, blocks of 16),
-`--rows` sequences of 84 to 364 cached tokens (the prompts of bench_engine.py plus half their
-output; `--context N`: N each), so the cache comes from memory as in a decode step; `prefill`
-runs the bf16 prefill attention of a 2,048-token step, sequences of `--rows` tokens each
-attended from position 0; `attention-int8` and `prefill-int8` the same over int8 caches
-(`--kv-cache-dtype int8`'s rows), and `attention-in-cache` the bf16 pass with every sequence
-on one sequence's blocks, which stay in cache: the kernel's arithmetic alone; `sample`, `sample-top-p` and `sample-top-k` one step's draws
+A pass calls every decode product of SmolLM2 in model order (30 layers of qkv, o, gate_up and down,
+then the lm_head), each with its own random weight, so every weight comes from memory as in decode;
+bf16 weights go to linear_bf16 as they lie (its few-row tiles, or AMX tiles from 3 rows), int4
+layers are group 128 with rotated inputs, as `gptq-hadamard` makes them (the lm_head without), and
+gguf layers Q4_1's groups of 32 through linear_int4_exact, the lm_head Q8_0's int8 codes with a
+scale per 32 through linear_int8, as SmolLM2's GGUF file holds them. The `attention` format instead
+runs bf16 decode attention over 30 layers' own KV caches (SmolLM2's heads, blocks of 16), `--rows`
+sequences of 84 to 364 cached tokens (the prompts of bench_engine.py plus half their output;
+`--context N`: N each), so the cache comes from memory as in a decode step; `prefill` runs the bf16
+prefill attention of a 2,048-token step, sequences of `--rows` tokens each attended from position
+0; `attention-int8` and `prefill-int8` the same over int8 caches (`--kv-cache-dtype int8`'s rows),
+and `attention-in-cache` the bf16 pass with every sequence on one sequence's blocks, which stay in
+cache: the kernel's arithmetic alone; `sample`, `sample-top-p` and `sample-top-k` one step's draws
 (kernels/sampling.cpp) for `--rows` sequences; `kv-write` and `kv-write-int8` one step's K/V
-written into 30 layers' caches, `--rows` tokens. The builds take turns going first; the figure is the median pass, in
-ms. The other commit's kernels are built from its `tokenmill/kernels` sources, with this
-checkout's flags.
+written into 30 layers' caches, `--rows` tokens. The builds take turns going first; the figure is
+the median pass, in ms. The other commit's kernels are built from its `tokenmill/kernels` sources,
+with this checkout's flags.
 
     python benchmarks/bench_kernels_ab.py --against 12e58c7 --rows 1,32
     python benchmarks/bench_kernels_ab.py --against 10226fd --formats attention --rows 32,64
