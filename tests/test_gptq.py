@@ -151,7 +151,7 @@ def test_gptq_differs_from_rtn_and_its_cache_is_read_back(tiny_gptq, monkeypatch
         assert not torch.equal(rtn.get_submodule(name).codes, codes)
 
 
-def test_gptq_hadamard_rotates_the_decoder_inputs_and_keeps_batch_invariance(
+def test_gptq_hadamard_rotates_every_products_inputs_and_keeps_batch_invariance(
         tmp_path, smollm, monkeypatch) -> None:
     folder = write_tiny_model(tmp_path / "tiny", smollm, "LlamaForCausalLM", 4, 2)
     monkeypatch.setenv("TOKENMILL_QUANT_CACHE_DIR", str(tmp_path / "cache"))
@@ -160,9 +160,8 @@ def test_gptq_hadamard_rotates_the_decoder_inputs_and_keeps_batch_invariance(
               quant_group_size=32, quant_method="gptq-hadamard")
     model = llm.engine.runner.model
     for name in ("layers.0.self_attn.qkv", "layers.0.self_attn.o_proj", "layers.1.mlp.gate_up",
-                 "layers.1.mlp.down"):
+                 "layers.1.mlp.down", "lm_head"):
         assert model.get_submodule(name).input_rotation is not None
-    assert model.lm_head.input_rotation is None
     prompts = tiny_prompts()
     batched = greedy_tokens(llm, prompts, max_tokens=12)
     assert batched == [greedy_tokens(llm, [p], max_tokens=12)[0] for p in prompts]

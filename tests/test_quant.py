@@ -23,7 +23,8 @@ from tokenmill.quant.gguf import auto_quantization, gguf_linear
 from tokenmill.quant.int4 import Int4Linear, group_widths
 from tokenmill.quant.int8 import Int8Linear
 from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedEmbedding, QuantizedLinear, own_kernels
-from tokenmill.quant.rotation import rotation_matrix, rotate_input, rotation_signs
+from tokenmill.quant.rotation import (rotate_input, rotation_matrix, rotation_signs,
+                                      unrotate_input)
 
 ROW_COUNTS = (1, 3, 8, 17, 37, 64, 256)
 PACKED, DEQUANTIZE = NO_ROW_LIMIT, 0  # packed_max_rows forcing one path at every row count
@@ -202,6 +203,30 @@ def test_rotated_int4_prefill_undoes_the_rotation_on_w_instead_of_rotating_x(
     expected = F.linear(x.to(dtype).float(), restored, bias.float())
     out = layer(x.to(dtype)).float()
     torch.testing.assert_close(out, expected, rtol=5e-2 if dtype == torch.bfloat16 else 1e-4,
+                               atol=5e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rotated_lm_head_embeds_the_rows_its_product_multiplies_by(dtype: torch.dtype) -> None:
+    """A tied lm_head stored as W R (int4's -hadamard methods): the embedding turns the rows it
+    looks up back to W's, the same W the product gives logits with."""
+    signs = rotation_signs(576)
+    x = torch.randn(7, 576, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(unrotate_input(rotate_input(x, signs), signs), x, rtol=0,
+                               atol=1e-5)
+    weight = random_weight(200, 576).to(dtype)
+    head = Int4Linear.quantize(weight, 128, looks_up_rows=True, input_rotation=signs)
+    embedding = QuantizedEmbedding(head, dtype)
+    ids = torch.tensor([0, 5, 199, 5])
+    rows = embedding(ids)
+    assert rows.dtype == dtype and rows.shape == (4, 576)
+    restored = (head.dequantize().reshape(-1, 64) @ rotation_matrix(signs).T).view(200, 576)
+    torch.testing.assert_close(rows, restored[ids].to(dtype), rtol=1e-5, atol=1e-6)
+    # close to the float rows, as an unrotated int4 lookup would be
+    assert (rows.float() - weight[ids].float()).abs().max() < 0.1 * weight.float().abs().max()
+    hidden = torch.randn(3, 576).to(dtype)
+    torch.testing.assert_close(head(hidden).float(), hidden.float() @ restored.T,
+                               rtol=5e-2 if dtype == torch.bfloat16 else 1e-4,
                                atol=5e-2 if dtype == torch.bfloat16 else 1e-4)
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from tokenmill.kernels import cpu_kernels
 from tokenmill.model.decode_layers import DecodeProduct
 from tokenmill.model.layers import FEW_ROWS_MAX, float_product
-from tokenmill.quant.rotation import rotate_input
+from tokenmill.quant.rotation import rotate_input, unrotate_input
 
 # packed_max_rows of a layer whose packed kernel wins at every row count.
 NO_ROW_LIMIT = sys.maxsize
@@ -170,15 +170,17 @@ def _workspace(shape: tuple[int, int], dtype: torch.dtype, device: torch.device)
 class QuantizedEmbedding(nn.Module):
     """Token embedding over a quantized weight: de-quantizes only the rows it looks up.
 
-    Given the lm_head itself when the embeddings are tied, so both read one copy.
+    Given the lm_head itself when the embeddings are tied, so both read one copy. An lm_head
+    stored rotated (W R, int4's -hadamard methods) has its rows turned back: row R^T.
     """
 
     def __init__(self, weight: QuantizedLinear, dtype: torch.dtype) -> None:
-        if weight.input_rotation is not None:
-            raise ValueError("an embedding can't look its rows up in a rotated weight")
         super().__init__()
         self.weight = weight
         self.dtype = dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.weight.dequantize(input_ids, self.dtype)
+        signs = self.weight.input_rotation
+        if signs is None:
+            return self.weight.dequantize(input_ids, self.dtype)
+        return unrotate_input(self.weight.dequantize(input_ids), signs).to(self.dtype)

@@ -45,6 +45,14 @@ def rotate_input(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return rotated.to(x.dtype).view(x.shape)
 
 
+def unrotate_input(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """x R^T = x R^-1 along the last dimension, in float32: rows of a stored W R back to W's.
+    R^T = (H / 8) diag(signs), H being symmetric, so it is the rotation with all signs +1, then
+    the signs."""
+    rotated = rotate_input(x.float().contiguous(), torch.ones_like(signs))
+    return rotated * signs.repeat(x.shape[-1] // BLOCK)
+
+
 def rotate_hessian(hessian: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """R^T H R: the Hessian of the rotated inputs x R from that of x."""
     return rotate_input(rotate_input(hessian, signs).T.contiguous(), signs)
