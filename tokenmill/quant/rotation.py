@@ -47,10 +47,15 @@ def rotate_input(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
 
 def unrotate_input(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """x R^T = x R^-1 along the last dimension, in float32: rows of a stored W R back to W's.
-    R^T = (H / 8) diag(signs), H being symmetric, so it is the rotation with all signs +1, then
-    the signs."""
-    rotated = rotate_input(x.float().contiguous(), torch.ones_like(signs))
-    return rotated * signs.repeat(x.shape[-1] // BLOCK)
+    R^T = (H / 8) diag(signs), H being symmetric: the rotation with every sign +1, then the
+    signs, in place."""
+    rotated = rotate_input(x.float().contiguous(), _no_signs(signs.device))
+    return rotated.view(-1, BLOCK).mul_(signs).view(rotated.shape)
+
+
+@functools.cache
+def _no_signs(device: torch.device) -> torch.Tensor:
+    return torch.ones(BLOCK, device=device)
 
 
 def rotate_hessian(hessian: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
