@@ -324,15 +324,17 @@ void write_kv_cache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, tor
     char* dst = static_cast<char*>(cache.data_ptr());
     const int64_t token_stride = rows.stride(0) * rows.element_size();
     const int64_t head_stride = rows.stride(1) * rows.element_size();
+    // A prefill's thousands of tokens over both cores; a decode step's few on one.
     if (!int8_cache) {
-      for (int64_t t = 0; t < tokens; ++t)
-        for (int64_t h = 0; h < heads; ++h)
-          std::memcpy(dst + (slots[t] * heads + h) * row_bytes,
-                      src + t * token_stride + h * head_stride, row_bytes);
+      at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t)
+          for (int64_t h = 0; h < heads; ++h)
+            std::memcpy(dst + (slots[t] * heads + h) * row_bytes,
+                        src + t * token_stride + h * head_stride, row_bytes);
+      });
       return;
     }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rows.scalar_type(), "kv", [&] {
-      // A prefill's thousands of tokens over both cores; a decode step's few on one.
       at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t)
           for (int64_t h = 0; h < heads; ++h)
