@@ -162,7 +162,7 @@ def main() -> None:
                                          model.get_submodule(name).bias) for name in names}
     float_embedding = model.embed_tokens.weight.float()
     tied = model.config.tie_word_embeddings
-    sequences = calibration_sequences(model, loaded.tokenizer, loaded.chat_template) \
+    sequences = calibration_sequences(model, loaded) \
         if args.tune_epochs else []
     quantize_model(model, "int4", args.group_size, loaded, args.quant_method)
     int4_products = {name: Int4Product(model.get_submodule(name)) for name in names}

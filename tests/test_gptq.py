@@ -11,7 +11,10 @@ import torch
 from tests.test_tensor_parallel import greedy_tokens, tiny_prompts, write_tiny_model
 from tokenmill import LLM, EngineConfig
 from tokenmill.eval.configs import parse_config
-from tokenmill.quant.calibration import LayerwiseCalibration, _kv_caches, _prefill_inputs
+from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.loader import load_model
+from tokenmill.quant.calibration import (LayerwiseCalibration, _kv_caches, _prefill_inputs,
+                                         calibration_sequences)
 from tokenmill.quant.gptq import Hessian, gptq_levels
 from tokenmill.quant.int4 import Int4Linear, group_widths, pack_levels
 
@@ -125,6 +128,19 @@ def test_layerwise_calibration_gives_the_model_forward(tmp_path, smollm) -> None
     with torch.inference_mode():
         expected = model(input_ids, positions, _kv_caches(model, len(model.layers), 5), meta)
     torch.testing.assert_close(calibration.final_hidden(model), expected, rtol=0, atol=0)
+
+
+def test_calibration_answers_are_sampled_in_float32_whatever_the_served_dtype(
+        tmp_path, smollm) -> None:
+    """A bfloat16 model's calibration text is the float32 model's: bfloat16's rounding would
+    draw other tokens (and give GPTQ other codes) whenever a kernel changed."""
+    folder = write_tiny_model(tmp_path / "tiny", smollm, "LlamaForCausalLM", 4, 2)
+    loaded = load_model(str(folder), torch.bfloat16)
+    served = LlamaForCausalLM(loaded.config, loaded.weights, torch.bfloat16)
+    float32 = LlamaForCausalLM(loaded.config, loaded.weights, torch.float32)
+    sequences = calibration_sequences(served, loaded)
+    assert sequences == calibration_sequences(float32, loaded)
+    assert len(sequences) == 33 and all(len(s) > 192 for s in sequences[1:])
 
 
 def test_gptq_engine_keeps_batch_invariance(tiny_gptq) -> None:

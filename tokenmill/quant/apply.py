@@ -123,7 +123,7 @@ def _int4_layer(tensors: dict[str, torch.Tensor], name: str, linear: Linear,
 def _run_gptq(model: LlamaForCausalLM, group_size: int, loaded: LoadedModel,
               act_order: bool, quant_method: str) -> dict[str, torch.Tensor]:
     """Quantizes the model's layers in place, first to last, and returns their tensors."""
-    sequences = calibration_sequences(model, loaded.tokenizer, loaded.chat_template)
+    sequences = calibration_sequences(model, loaded)
     calibration = LayerwiseCalibration(model, sequences)
     tensors: dict[str, torch.Tensor] = {}
 
