@@ -141,6 +141,10 @@ def test_calibration_answers_are_sampled_in_float32_whatever_the_served_dtype(
     sequences = calibration_sequences(served, loaded)
     assert sequences == calibration_sequences(float32, loaded)
     assert len(sequences) == 33 and all(len(s) > 192 for s in sequences[1:])
+    # however the weights were read: `tokenmill eval` reads them in float32 for every config
+    read_in_float32 = load_model(str(folder), torch.float32)
+    served_again = LlamaForCausalLM(loaded.config, read_in_float32.weights, torch.bfloat16)
+    assert calibration_sequences(served_again, read_in_float32) == sequences
 
 
 def test_gptq_engine_keeps_batch_invariance(tiny_gptq) -> None:

@@ -55,9 +55,9 @@ BLOCK_SIZE = 16
 
 def calibration_sequences(model: LlamaForCausalLM, loaded: LoadedModel) -> list[list[int]]:
     """`CALIBRATION_TEXT`, then each prompt (in the chat template when the model has one) with
-    the continuations of a float32 copy of `model` (built from `loaded`, its weights, unless it
-    is float32 itself); ids the model doesn't embed are dropped (the tests' tiny models know
-    fewer ids than their tokenizer)."""
+    the continuations of a float32 copy of `model` (rebuilt from `loaded`, the weights it was
+    built from, unless it is float32 itself); ids the model doesn't embed are dropped (the tests'
+    tiny models know fewer ids than their tokenizer)."""
     config, tokenizer = model.config, loaded.tokenizer
     prompts = []
     for prompt in CALIBRATION_PROMPTS:
@@ -67,8 +67,11 @@ def calibration_sequences(model: LlamaForCausalLM, loaded: LoadedModel) -> list[
                                                    add_generation_prompt=True, tokenize=False)
         prompts.append([t for t in tokenizer.encode(prompt) if t < config.vocab_size])
     text = [t for t in tokenizer.encode(CALIBRATION_TEXT) if t < config.vocab_size]
-    sampler = model if model.norm.weight.dtype == torch.float32 \
-        else LlamaForCausalLM(config, loaded.weights, torch.float32, model.norm.weight.device)
+    dtype, device = model.norm.weight.dtype, model.norm.weight.device
+    # The served model's own values (`loaded` may hold float32 weights for a bfloat16 model, as
+    # `tokenmill eval` loads them), so a model samples the same text however it was loaded.
+    sampler = model if dtype == torch.float32 else LlamaForCausalLM(
+        config, {name: t.to(dtype) for name, t in loaded.weights.items()}, torch.float32, device)
     return [text, *sample(sampler, prompts * SAMPLES_PER_PROMPT, NEW_TOKENS)]
 
 
