@@ -14,7 +14,7 @@ from tokenmill.eval.configs import parse_config
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_model
 from tokenmill.quant.calibration import (LayerwiseCalibration, _kv_caches, _prefill_inputs,
-                                         calibration_sequences)
+                                         calibration_sequences, float32_sampler)
 from tokenmill.quant.gptq import Hessian, gptq_levels
 from tokenmill.quant.int4 import Int4Linear, group_widths, pack_levels
 
@@ -138,13 +138,14 @@ def test_calibration_answers_are_sampled_in_float32_whatever_the_served_dtype(
     loaded = load_model(str(folder), torch.bfloat16)
     served = LlamaForCausalLM(loaded.config, loaded.weights, torch.bfloat16)
     float32 = LlamaForCausalLM(loaded.config, loaded.weights, torch.float32)
-    sequences = calibration_sequences(served, loaded)
-    assert sequences == calibration_sequences(float32, loaded)
+    sequences = calibration_sequences(float32_sampler(served, loaded), loaded)
+    assert sequences == calibration_sequences(float32_sampler(float32, loaded), loaded)
     assert len(sequences) == 33 and all(len(s) > 192 for s in sequences[1:])
     # however the weights were read: `tokenmill eval` reads them in float32 for every config
     read_in_float32 = load_model(str(folder), torch.float32)
     served_again = LlamaForCausalLM(loaded.config, read_in_float32.weights, torch.bfloat16)
-    assert calibration_sequences(served_again, read_in_float32) == sequences
+    assert calibration_sequences(float32_sampler(served_again, read_in_float32),
+                                 read_in_float32) == sequences
 
 
 def test_gptq_engine_keeps_batch_invariance(tiny_gptq) -> None:

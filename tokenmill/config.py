@@ -15,9 +15,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # none (quant/gguf.py's auto_quantization says when).
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 # How int4 codes are chosen (docs/quantization.md): round to nearest; GPTQ with act-order and
-# static groups; GPTQ over the columns in their own order; and gptq or rtn of the decoder's
-# products with their inputs rotated (tokenmill/quant/rotation.py).
-QUANT_METHODS = ("rtn", "gptq", "gptq-in-order", "gptq-hadamard", "rtn-hadamard")
+# static groups; GPTQ over the columns in their own order; gptq or rtn of the products with their
+# inputs rotated (tokenmill/quant/rotation.py); and gptq-hadamard with its scales and mins then
+# distilled end to end from the float model (tokenmill/quant/distill.py).
+QUANT_METHODS = ("rtn", "gptq", "gptq-in-order", "gptq-hadamard", "rtn-hadamard",
+                 "gptq-hadamard-distill")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: tokenmill/model/kv_int8.py
 SPECULATIVE_METHODS = ("ngram", "draft", "self")
 

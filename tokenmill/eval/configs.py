@@ -1,10 +1,10 @@
 """Configuration names of `tokenmill eval --configs`: each becomes EngineConfig overrides.
 
 A name is parts joined by "+": a weight format (none, int8, int4, int4-g32, int4-g64, int4-g128,
-gguf), a quant method for int4 (rtn, gptq, gptq-in-order, gptq-hadamard, rtn-hadamard), kv-int8
-for the int8 KV cache, and bf16 or fp32 for the compute dtype. Parts not given keep the base
-options (the command's engine flags), so "int8+kv-int8" is int8 weights and an int8 KV cache in
-the base dtype.
+gguf), a quant method for int4 (rtn, gptq, gptq-in-order, gptq-hadamard, rtn-hadamard,
+gptq-hadamard-distill), kv-int8 for the int8 KV cache, and bf16 or fp32 for the compute dtype.
+Parts not given keep the base options (the command's engine flags), so "int8+kv-int8" is int8
+weights and an int8 KV cache in the base dtype.
 """
 
 from __future__ import annotations

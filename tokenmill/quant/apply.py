@@ -12,7 +12,8 @@ errors of the ones before it; the lm_head's inputs are the final-norm hidden sta
 embedding is only looked up, so it has no Hessian and is rounded to nearest (and not rotated).
 The -hadamard methods quantize each product, the lm_head's too, as W R for a fixed orthogonal R
 (tokenmill/quant/rotation.py) and rotate its inputs at run time; GPTQ then sees the Hessian of
-the rotated inputs, R^T H R.
+the rotated inputs, R^T H R. The -distill method then fits every int4 product's scales and mins
+end to end to the float model's next-token distributions (tokenmill/quant/distill.py).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from tokenmill.model.layers import Linear
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import GGUFBlocks, LoadedModel, read_gguf_blocks
 from tokenmill.quant import cache
+from tokenmill.quant import distill
 from tokenmill.quant.calibration import (CALIBRATION_VERSION, LayerwiseCalibration,
-                                         calibration_sequences)
+                                         calibration_sequences, float32_sampler, sample)
 from tokenmill.quant.gguf import gguf_linear
 from tokenmill.quant.gptq import Hessian, gptq_levels
 from tokenmill.quant.int4 import Int4Linear, pack_levels
@@ -82,7 +84,7 @@ def _input_rotation(linear: Linear, quant_method: str) -> torch.Tensor | None:
     one's embedding rows are turned back as they are looked up (QuantizedEmbedding). On
     SmolLM2 (int4 g128, GPTQ, the same decoder codes) the rotated lm_head took perplexity from
     +16.98% to +12.99% (docs/quantization.md, session 31)."""
-    if not quant_method.endswith("-hadamard"):
+    if "-hadamard" not in quant_method:
         return None
     return rotation_signs(linear.weight.shape[1], linear.weight.device)
 
@@ -93,12 +95,15 @@ def _gptq_layers(model: LlamaForCausalLM, linears: dict[str, Linear], group_size
     them."""
     dtype, device = model.norm.weight.dtype, model.norm.weight.device
     act_order = quant_method != "gptq-in-order"
-    rotation_key = {"input_rotation": (ROTATION_BLOCK, ROTATION_SEED, "lm_head too")} \
-        if quant_method.endswith("-hadamard") else {}
+    method_key = {"input_rotation": (ROTATION_BLOCK, ROTATION_SEED, "lm_head too")} \
+        if "-hadamard" in quant_method else {}
+    if quant_method.endswith("-distill"):
+        method_key["distill"] = (distill.DISTILL_VERSION, distill.NUM_SEQUENCES,
+                                 distill.SEQUENCE_LENGTH, distill.LEARNING_RATE)
     path = cache.cache_path(loaded.path, config=model.config, group_size=group_size,
                             act_order=act_order, dtype=str(dtype),
                             calibration=CALIBRATION_VERSION, codes="narrow-last-group",
-                            **rotation_key)
+                            **method_key)
     tensors = cache.load(path, device)
     if tensors is None:
         start = time.perf_counter()
@@ -123,7 +128,15 @@ def _int4_layer(tensors: dict[str, torch.Tensor], name: str, linear: Linear,
 def _run_gptq(model: LlamaForCausalLM, group_size: int, loaded: LoadedModel,
               act_order: bool, quant_method: str) -> dict[str, torch.Tensor]:
     """Quantizes the model's layers in place, first to last, and returns their tensors."""
-    sequences = calibration_sequences(model, loaded)
+    sampler = float32_sampler(model, loaded)
+    sequences = calibration_sequences(sampler, loaded)
+    distilling = quant_method.endswith("-distill")
+    if distilling:  # the float model's text and products, before GPTQ replaces them
+        text = _distillation_text(sampler)
+        teacher = ({name: distill.FloatProduct(model.get_submodule(name).weight,
+                                               model.get_submodule(name).bias)
+                    for name in distill.product_names(model)}, model.embed_tokens.weight)
+    del sampler
     calibration = LayerwiseCalibration(model, sequences)
     tensors: dict[str, torch.Tensor] = {}
 
@@ -154,7 +167,37 @@ def _run_gptq(model: LlamaForCausalLM, group_size: int, loaded: LoadedModel,
     hessian = Hessian(model.lm_head.weight.shape[1], model.lm_head.weight.device)
     hessian.add(calibration.final_hidden(model))
     quantize("lm_head", model.lm_head, hessian)
+    if distilling:
+        _distill_scales(model, tensors, teacher, text)
     return tensors
+
+
+def _distillation_text(sampler: LlamaForCausalLM) -> torch.Tensor:
+    """The float model's sequences from random first tokens, a hundred at a time (the float32
+    KV cache of all 400 at once would take 4.7 GB on SmolLM2)."""
+    prompts = distill.distillation_prompts(sampler.config.vocab_size)
+    chunks = [sample(sampler, prompts[i:i + 100], distill.SEQUENCE_LENGTH - 1,
+                     distill.TEMPERATURE, distill.TOP_K, seed=distill.SEED + i)
+              for i in range(0, len(prompts), 100)]
+    return torch.tensor([s for chunk in chunks for s in chunk],
+                        device=sampler.norm.weight.device)
+
+
+def _distill_scales(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor],
+                    teacher: tuple[dict, torch.Tensor], text: torch.Tensor) -> None:
+    """GPTQ's scales and mins in `tensors` replaced by distillation's (the codes stay). An
+    untied embedding is embedded float for both models: only the products are fitted."""
+    student = {name: distill.TunableInt4Product(model.get_submodule(name))
+               for name in distill.product_names(model)}
+    embedding = None if model.config.tie_word_embeddings else teacher[1]
+    start = time.perf_counter()
+    losses = distill.distill(distill.ReferenceForward(model), teacher, student, embedding, text)
+    logger.info("int4 scales distilled in %.0f s: KL %.4f over the first 10 steps, %.4f over the "
+                "last 10", time.perf_counter() - start, sum(losses[:10]) / len(losses[:10]),
+                sum(losses[-10:]) / len(losses[-10:]))
+    for name, product in student.items():
+        scales, mins = product.scales_and_mins()
+        tensors[f"{name}.scales"], tensors[f"{name}.mins"] = scales.detach(), mins.detach()
 
 
 def _quantize(linear: Linear, quantization: str, group_size: int,

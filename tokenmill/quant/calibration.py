@@ -53,12 +53,22 @@ SEED = 0
 BLOCK_SIZE = 16
 
 
-def calibration_sequences(model: LlamaForCausalLM, loaded: LoadedModel) -> list[list[int]]:
+def float32_sampler(model: LlamaForCausalLM, loaded: LoadedModel) -> LlamaForCausalLM:
+    """The model that writes the calibration text: `model` itself when it is float32, else a
+    float32 copy of its own values (`loaded` may hold float32 weights for a bfloat16 model, as
+    `tokenmill eval` loads them), so a model samples the same text however it was loaded."""
+    dtype, device = model.norm.weight.dtype, model.norm.weight.device
+    if dtype == torch.float32:
+        return model
+    return LlamaForCausalLM(model.config, {name: t.to(dtype) for name, t in loaded.weights.items()},
+                            torch.float32, device)
+
+
+def calibration_sequences(sampler: LlamaForCausalLM, loaded: LoadedModel) -> list[list[int]]:
     """`CALIBRATION_TEXT`, then each prompt (in the chat template when the model has one) with
-    the continuations of a float32 copy of `model` (rebuilt from `loaded`, the weights it was
-    built from, unless it is float32 itself); ids the model doesn't embed are dropped (the tests'
-    tiny models know fewer ids than their tokenizer)."""
-    config, tokenizer = model.config, loaded.tokenizer
+    the continuations of `sampler` (float32_sampler); ids the model doesn't embed are dropped
+    (the tests' tiny models know fewer ids than their tokenizer)."""
+    config, tokenizer = sampler.config, loaded.tokenizer
     prompts = []
     for prompt in CALIBRATION_PROMPTS:
         if loaded.chat_template:
@@ -67,23 +77,21 @@ def calibration_sequences(model: LlamaForCausalLM, loaded: LoadedModel) -> list[
                                                    add_generation_prompt=True, tokenize=False)
         prompts.append([t for t in tokenizer.encode(prompt) if t < config.vocab_size])
     text = [t for t in tokenizer.encode(CALIBRATION_TEXT) if t < config.vocab_size]
-    dtype, device = model.norm.weight.dtype, model.norm.weight.device
-    # The served model's own values (`loaded` may hold float32 weights for a bfloat16 model, as
-    # `tokenmill eval` loads them), so a model samples the same text however it was loaded.
-    sampler = model if dtype == torch.float32 else LlamaForCausalLM(
-        config, {name: t.to(dtype) for name, t in loaded.weights.items()}, torch.float32, device)
     return [text, *sample(sampler, prompts * SAMPLES_PER_PROMPT, NEW_TOKENS)]
 
 
 @torch.inference_mode()
-def sample(model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+def sample(model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int,
+           temperature: float = TEMPERATURE, top_k: int = 0,
+           seed: int = SEED) -> list[list[int]]:
     """Each prompt followed by `new_tokens` sampled tokens (no stop at end tokens: whatever the
-    model writes after them is still its own text), all prompts in one batch."""
+    model writes after them is still its own text), all prompts in one batch; `top_k` 0 keeps
+    every token."""
     device = model.norm.weight.device
     seq_blocks = -(-(max(map(len, prompts)) + new_tokens) // BLOCK_SIZE)
     tables = [list(range(i * seq_blocks, (i + 1) * seq_blocks)) for i in range(len(prompts))]
     caches = _kv_caches(model, len(model.layers), len(prompts) * seq_blocks)
-    generator = torch.Generator(device=device).manual_seed(SEED)
+    generator = torch.Generator(device=device).manual_seed(seed)
     sequences = [list(p) for p in prompts]
     input_ids, positions, meta = _prefill_inputs(model, prompts, tables)
     hidden = model(input_ids, positions, caches, meta)
@@ -92,7 +100,10 @@ def sample(model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int) -
     block_tables = torch.tensor(tables, device=device)
     use_kernel = decode_kernel_available(device)
     for step in range(new_tokens):
-        probs = torch.softmax(logits / TEMPERATURE, dim=-1)
+        if top_k:
+            kth = logits.topk(top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits / temperature, dim=-1)
         tokens = torch.multinomial(probs, 1, generator=generator).flatten()
         for sequence, token in zip(sequences, tokens.tolist()):
             sequence.append(token)
