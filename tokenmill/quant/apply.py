@@ -27,8 +27,7 @@ from torch import nn
 from tokenmill.model.layers import Linear
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import GGUFBlocks, LoadedModel, read_gguf_blocks
-from tokenmill.quant import cache
-from tokenmill.quant import distill
+from tokenmill.quant import cache, distill
 from tokenmill.quant.calibration import (CALIBRATION_VERSION, LayerwiseCalibration,
                                          calibration_sequences, float32_sampler, sample)
 from tokenmill.quant.gguf import gguf_linear
