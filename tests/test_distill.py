@@ -23,8 +23,7 @@ def test_distillation_lowers_the_kl_on_held_out_text(tmp_path, smollm, monkeypat
     loaded = load_model(str(folder), torch.float32)
     model = LlamaForCausalLM(loaded.config, loaded.weights, torch.float32)
     names = distill.product_names(model)
-    teacher = ({n: distill.FloatProduct(model.get_submodule(n).weight, model.get_submodule(n).bias)
-                for n in names}, model.embed_tokens.weight)
+    teacher = distill.teacher_of(model)
     generator = torch.Generator().manual_seed(3)
     prompts = [[t] for t in torch.randint(3, loaded.config.vocab_size, (544,),
                                           generator=generator).tolist()]

@@ -132,9 +132,7 @@ def _run_gptq(model: LlamaForCausalLM, group_size: int, loaded: LoadedModel,
     distilling = quant_method.endswith("-distill")
     if distilling:  # the float model's text and products, before GPTQ replaces them
         text = _distillation_text(sampler)
-        teacher = ({name: distill.FloatProduct(model.get_submodule(name).weight,
-                                               model.get_submodule(name).bias)
-                    for name in distill.product_names(model)}, model.embed_tokens.weight)
+        teacher = distill.teacher_of(model)
     del sampler
     calibration = LayerwiseCalibration(model, sequences)
     tensors: dict[str, torch.Tensor] = {}

@@ -141,6 +141,15 @@ def product_names(model: LlamaForCausalLM) -> list[str]:
         + ["lm_head"]
 
 
+def teacher_of(model: LlamaForCausalLM) -> tuple[dict[str, FloatProduct], torch.Tensor]:
+    """The float model's products and embedding table, to be taken before quantization
+    replaces its layers."""
+    products = {name: FloatProduct(model.get_submodule(name).weight,
+                                   model.get_submodule(name).bias)
+                for name in product_names(model)}
+    return products, model.embed_tokens.weight
+
+
 def distillation_prompts(vocab_size: int) -> list[list[int]]:
     """One random first token a sequence (seeded)."""
     generator = torch.Generator().manual_seed(SEED)
