@@ -13,6 +13,12 @@ the medians of the rounds' (its per-engine figures the medians of the runs').
     python benchmarks/bench_engine.py --dtypes float32,auto
     python benchmarks/bench_engine.py --rounds 3
     python benchmarks/bench_engine.py --num-prompts 3 --output-len 8 --hf-sequential-prompts 1
+
+Each round also runs llama.cpp's `llama-batched-bench` on the same GGUF file, where
+scripts/build_peers.sh has built it, as the issue's batched reference: all the prompts at once
+(--num-prompts sequences of the prompts' mean length, synthetic tokens: it takes no prompt
+text) and one sequence alone, each making --output-len tokens. It is reported beside the
+engines, not compared with a target.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, ContinuousBatchin
 from transformers.generation.streamers import BaseStreamer
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.peers import default_peers_dir
 from tokenmill.config import EngineConfig
 from tokenmill.model.loader import DEFAULT_MODEL, resolve_model_path
 
@@ -240,6 +247,55 @@ def worker(spec_path: Path, result_path: Path) -> None:
     result_path.write_text(json.dumps(result))
 
 
+# ---- llama.cpp's batched decode, the reference -------------------------------------------------
+
+def run_llama_batched(binary: Path, spec: Spec) -> Result:
+    """llama-batched-bench with all the prompts' sequences at once and with one: prompt and decode
+    rates, and output tokens/s over the whole run as the engines count it."""
+    prompts, output_len = spec["prompts"], spec["output_len"]
+    prompt_len = round(statistics.mean(map(len, prompts)))
+    batch = len(prompts)
+    command = [str(binary), "-m", spec["model_path"], "-c", str(batch * (prompt_len + output_len)),
+               "-b", "2048", "-ub", "512", "-npp", str(prompt_len), "-ntg", str(output_len),
+               "-npl", f"1,{batch}", "--output-format", "jsonl"]
+    if spec["threads"]:
+        command += ["-t", str(spec["threads"])]
+    completed = subprocess.run(command, capture_output=True, text=True)
+    if completed.returncode != 0:
+        return {"status": f"failed (exit {completed.returncode}): "
+                          f"{completed.stderr.strip()[-300:]}", "command": command}
+    entries = [json.loads(line) for line in completed.stdout.splitlines() if line.startswith("{")]
+    runs = {entry["pl"]: entry for entry in entries if entry.get("pl") in (1, batch)}
+    together = runs[batch]
+    return {"status": "ok", "command": command, "sequences": batch, "prompt_len": prompt_len,
+            "output_len": output_len, "wall_s": together["t"],
+            "output_tokens_per_s": batch * output_len / together["t"],
+            "batched_decode_tokens_per_s": together["speed_tg"],
+            "batched_prompt_tokens_per_s": together["speed_pp"],
+            "single_stream_decode_tokens_per_s": runs[1]["speed_tg"],
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
+
+
+def llama_batched_reference(binary: Path | None, spec: Spec) -> Result:
+    if binary is None:
+        return {"status": f"not built (no bin/llama-batched-bench under {default_peers_dir()}; "
+                          "bash scripts/build_peers.sh)"}
+    if not spec["model_path"].endswith(".gguf") or spec["device"] != "cpu":
+        return {"status": "skipped: llama.cpp runs the GGUF file on the CPU only here"}
+    with tempfile.TemporaryDirectory(prefix="bench_engine.") as folder:
+        spec_path, result_path = Path(folder) / "spec.json", Path(folder) / "result.json"
+        spec_path.write_text(json.dumps(spec | {"llama_batched_bench": str(binary)}))
+        # In its own process, so that RUSAGE_CHILDREN is llama.cpp's peak alone.
+        subprocess.run([sys.executable, __file__, "--llama-worker", str(spec_path),
+                        str(result_path)], check=True)
+        return json.loads(result_path.read_text())
+
+
+def llama_worker(spec_path: Path, result_path: Path) -> None:
+    spec = json.loads(spec_path.read_text())
+    result_path.write_text(json.dumps(run_llama_batched(Path(spec["llama_batched_bench"]), spec)))
+
+
 # ---- the driver -------------------------------------------------------------------------------
 
 def run_engine(engine: str, spec: Spec) -> Result:
@@ -280,6 +336,19 @@ def median_ratios(rounds: list[dict[str, Any]]) -> dict[str, float | None]:
             else statistics.median(r["ratios"][name] for r in rounds) for name in names}
 
 
+def median_reference(runs: list[Result]) -> Result:
+    """The rounds' llama-batched-bench runs as one: medians where every run succeeded."""
+    if any(run["status"] != "ok" for run in runs):
+        return next(run for run in runs if run["status"] != "ok")
+    return runs[0] | {figure: statistics.median(run[figure] for run in runs)
+                      for figure in LLAMA_FIGURES}
+
+
+LLAMA_FIGURES = ("wall_s", "output_tokens_per_s", "batched_decode_tokens_per_s",
+                 "batched_prompt_tokens_per_s", "single_stream_decode_tokens_per_s",
+                 "peak_rss_mib")
+
+
 def print_table(report: dict[str, Any], title: str) -> None:
     print(f"\n== bench_engine, dtype {report['dtype']} (requested {report['dtype_requested']}), "
           f"{report['workload']['num_prompts']} prompts x {report['workload']['output_len']} "
@@ -294,6 +363,20 @@ def print_table(report: dict[str, Any], title: str) -> None:
     for name, value in report["ratios"].items():
         shown = "n/a" if value is None else f"{value:.2f}x"
         print(f"{name}: {shown} (target >= {TARGETS[name]:g}x)")
+    llama = report["llama_batched_bench"]
+    if llama["status"] != "ok":
+        print(f"llama.cpp llama-batched-bench (reference): {llama['status']}")
+        return
+    print(f"llama.cpp llama-batched-bench (reference; {llama['sequences']} sequences of "
+          f"{llama['prompt_len']} synthetic prompt tokens): {llama['output_tokens_per_s']:.1f} "
+          f"output tok/s over {llama['wall_s']:.1f} s; decode "
+          f"{llama['batched_decode_tokens_per_s']:.1f} tok/s batched, "
+          f"{llama['single_stream_decode_tokens_per_s']:.1f} alone; "
+          f"peak RSS {llama['peak_rss_mib']:.0f} MiB")
+    tokenmill = report["engines"].get("tokenmill")
+    if tokenmill:
+        print(f"tokenmill output tok/s over llama.cpp's batched decode: "
+              f"{tokenmill['output_tokens_per_s'] / llama['batched_decode_tokens_per_s']:.2f}x")
 
 
 def parse_args() -> argparse.Namespace:
@@ -323,7 +406,13 @@ def parse_args() -> argparse.Namespace:
                         help="torch threads in every engine (default: torch's default)")
     parser.add_argument("--output-json", default="benchmarks/results/bench_engine-{dtype}.json",
                         help="where to write each dtype's report; {dtype} is the requested dtype")
+    parser.add_argument("--llama-batched-bench", type=Path, default=None,
+                        help="the llama-batched-bench binary (default: bin/ under "
+                             "$TOKENMILL_PEERS_DIR or ~/.cache/tokenmill/peers)")
+    parser.add_argument("--no-llama", action="store_true",
+                        help="skip the llama.cpp reference")
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--llama-worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
@@ -332,6 +421,11 @@ def main() -> None:
     if args.worker:
         worker(*args.worker)
         return
+    if args.llama_worker:
+        llama_worker(*args.llama_worker)
+        return
+    llama_binary = args.llama_batched_bench or default_peers_dir() / "bin" / "llama-batched-bench"
+    llama_binary = llama_binary if llama_binary.is_file() else None
     engines = args.engines.split(",")
     dtypes = args.dtypes.split(",")
     unknown = sorted(set(engines) - set(ENGINES))
@@ -358,9 +452,11 @@ def main() -> None:
             for engine in order:  # one at a time, never in parallel: they would share the cores
                 print(f"[bench_engine] {dtype}, round {index + 1}: running {engine}", flush=True)
                 results[engine] = run_engine(engine, spec)
+            llama = {"status": "skipped (--no-llama)"} if args.no_llama else \
+                llama_batched_reference(llama_binary, spec)
             rounds.append({"round": index + 1, "order": order,
                            "engines": {engine: results[engine] for engine in engines},
-                           "ratios": ratios(results)})
+                           "ratios": ratios(results), "llama_batched_bench": llama})
         report = {
             "benchmark": "bench_engine", "dtype_requested": requested, "dtype": dtype,
             "model": args.model, "model_path": str(model_path),
@@ -372,7 +468,9 @@ def main() -> None:
             "git": git_commit(),
             "engines": {engine: median_runs([r["engines"][engine] for r in rounds])
                         for engine in engines},
-            "ratios": median_ratios(rounds), "targets": TARGETS, "rounds": rounds,
+            "ratios": median_ratios(rounds), "targets": TARGETS,
+            "llama_batched_bench": median_reference([r["llama_batched_bench"] for r in rounds]),
+            "rounds": rounds,
         }
         if args.rounds > 1:
             for r in rounds:
