@@ -98,7 +98,8 @@ def _gptq_layers(model: LlamaForCausalLM, linears: dict[str, Linear], group_size
         if "-hadamard" in quant_method else {}
     if quant_method.endswith("-distill"):
         method_key["distill"] = (distill.DISTILL_VERSION, distill.NUM_SEQUENCES,
-                                 distill.SEQUENCE_LENGTH, distill.LEARNING_RATE)
+                                 distill.SEQUENCE_LENGTH, distill.LEARNING_RATE,
+                                 distill.HELD_OUT)
     path = cache.cache_path(loaded.path, config=model.config, group_size=group_size,
                             act_order=act_order, dtype=str(dtype),
                             calibration=CALIBRATION_VERSION, codes="narrow-last-group",
@@ -188,10 +189,10 @@ def _distill_scales(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor],
                for name in distill.product_names(model)}
     embedding = None if model.config.tie_word_embeddings else teacher[1]
     start = time.perf_counter()
-    losses = distill.distill(distill.ReferenceForward(model), teacher, student, embedding, text)
-    logger.info("int4 scales distilled in %.0f s: KL %.4f over the first 10 steps, %.4f over the "
-                "last 10", time.perf_counter() - start, sum(losses[:10]) / len(losses[:10]),
-                sum(losses[-10:]) / len(losses[-10:]))
+    fit = distill.distill(distill.ReferenceForward(model), teacher, student, embedding, text)
+    logger.info("int4 scales distilled in %.0f s: held-out KL %.4f before, %.4f after %d of %d "
+                "steps (the lowest measured)", time.perf_counter() - start, fit.held_out[0][1],
+                min(kl for _, kl in fit.held_out), fit.best_step, len(fit.losses))
     for name, product in student.items():
         scales, mins = product.scales_and_mins()
         tensors[f"{name}.scales"], tensors[f"{name}.mins"] = scales.detach(), mins.detach()

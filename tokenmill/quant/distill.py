@@ -13,7 +13,11 @@ has to be plentiful. Fitted on GPTQ's 8,000 calibration tokens, the scales learn
 lost on the documentation (SmolLM2 +16.68% -> +17.09%, docs/quantization.md, session 17); on
 102,400 sampled tokens, seen once, SmolLM2's int4 g128 went from +12.87% to +8.60% (session 32),
 and a second pass over them overfitted again. On Qwen2.5-Coder-0.5B, whose int4 already meets
-its floor, it lost (+3.57% -> +4.67%): it is an option, not the default.
+its floor, the same fit lost (+3.57% -> +4.67%, session 32): its KL started three times lower and
+the step size carried the scales past where they helped. So the last HELD_OUT sequences are not
+fitted: their KL is measured before the fit and every EVAL_EVERY steps, and the fit ends on the
+scales that gave the lowest, GPTQ's own when nothing was lower. It stays an option, not the
+default: it costs minutes at the first load.
 
 The forward here is a plain differentiable one (whole sequences, causal attention, no KV cache, no
 kernels), run under bfloat16 autocast; benchmarks/int4_error_budget.py scores with it too.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +41,10 @@ from tokenmill.quant.rotation import rotation_matrix
 
 logger = logging.getLogger(__name__)
 
-DISTILL_VERSION = 1  # keys the quantization cache: bump when the data or the fit changes
+DISTILL_VERSION = 2  # keys the quantization cache: bump when the data or the fit changes
 NUM_SEQUENCES = 400
+HELD_OUT = 16  # of NUM_SEQUENCES, never fitted: the KL the fit stops on
+EVAL_EVERY = 16  # steps between two measurements of the held-out KL
 SEQUENCE_LENGTH = 256  # tokens, the random first one included: 102,400 in all
 TEMPERATURE, TOP_K = 1.0, 40
 SEQUENCES_PER_STEP = 4
@@ -167,29 +174,62 @@ def kl_to_teacher(forward: ReferenceForward, teacher: tuple[dict, torch.Tensor],
     return (target.exp() * (target - log_probs)).sum(-1).mean()
 
 
+@dataclass
+class DistillResult:
+    losses: list[float]  # the training KL of each step
+    held_out: list[tuple[int, float]]  # (steps taken, held-out KL), from 0 steps on
+    best_step: int  # the steps taken by the scales the student ends on
+
+
 def distill(forward: ReferenceForward, teacher: tuple[dict, torch.Tensor],
             student: dict[str, TunableInt4Product], embedding: torch.Tensor | None,
-            sequences: torch.Tensor, learning_rate: float = LEARNING_RATE) -> list[float]:
-    """Fits the student's gains and shifts on `sequences` [n, length], SEQUENCES_PER_STEP at a
-    time, once through in a seeded order; returns the KL of each step. `embedding` None: the
-    student embeds with its (tied) lm_head's rows."""
+            sequences: torch.Tensor, learning_rate: float = LEARNING_RATE) -> DistillResult:
+    """Fits the student's gains and shifts on `sequences` [n, length] but the last HELD_OUT,
+    SEQUENCES_PER_STEP at a time, once through in a seeded order, and leaves the student on the
+    gains and shifts whose KL on the held-out sequences was the lowest measured (every EVAL_EVERY
+    steps, at 0 steps and at the end). `embedding` None: the student embeds with its (tied)
+    lm_head's rows."""
     parameters = [p for product in student.values() for p in (product.gain, product.shift)]
     optimizer = torch.optim.Adam(parameters, lr=learning_rate)
-    order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(SEED))
-    num_steps = len(sequences) // SEQUENCES_PER_STEP
+    train, check = sequences[:-HELD_OUT], sequences[-HELD_OUT:]
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(SEED))
+    num_steps = len(train) // SEQUENCES_PER_STEP
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / num_steps)))
-    losses, start = [], time.perf_counter()
+
+    def table() -> torch.Tensor:
+        return student["lm_head"].rows() if embedding is None else embedding
+
+    @torch.no_grad()
+    def held_out_kl() -> float:
+        rows = table()
+        chunks = check.split(SEQUENCES_PER_STEP)
+        return sum(kl_to_teacher(forward, teacher, (student, rows), chunk).item() * len(chunk)
+                   for chunk in chunks) / len(check)
+
+    result = DistillResult([], [(0, held_out_kl())], 0)
+    best = [p.detach().clone() for p in parameters]
+    start = time.perf_counter()
     for step in range(num_steps):
         rows = order[step * SEQUENCES_PER_STEP:(step + 1) * SEQUENCES_PER_STEP]
-        table = student["lm_head"].rows() if embedding is None else embedding
-        loss = kl_to_teacher(forward, teacher, (student, table), sequences[rows])
+        loss = kl_to_teacher(forward, teacher, (student, table()), train[rows])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         schedule.step()
-        losses.append(loss.item())
+        result.losses.append(loss.item())
         if (step + 1) % 10 == 0:
             logger.info("distilling int4 scales: step %d/%d, KL %.4f (%.0f s)", step + 1,
-                        num_steps, sum(losses[-10:]) / 10, time.perf_counter() - start)
-    return losses
+                        num_steps, sum(result.losses[-10:]) / 10, time.perf_counter() - start)
+        if (step + 1) % EVAL_EVERY == 0 or step + 1 == num_steps:
+            result.held_out.append((step + 1, held_out_kl()))
+            if result.held_out[-1][1] < min(kl for _, kl in result.held_out[:-1]):
+                result.best_step = step + 1
+                best = [p.detach().clone() for p in parameters]
+            logger.info("distilling int4 scales: held-out KL %.4f after %d steps (best %.4f "
+                        "after %d)", result.held_out[-1][1], step + 1,
+                        min(kl for _, kl in result.held_out), result.best_step)
+    with torch.no_grad():
+        for parameter, value in zip(parameters, best):
+            parameter.copy_(value)
+    return result
