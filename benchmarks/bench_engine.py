@@ -229,35 +229,18 @@ def _throughput(num_requests: int, output_tokens: int, wall: float) -> Result:
             "output_tokens_per_s": output_tokens / wall}
 
 
-RUNNERS = {"hf_generate": run_hf_generate, "hf_generate_batch": run_hf_generate_batch,
-           "tokenmill": run_tokenmill}
-
-
-def worker(spec_path: Path, result_path: Path) -> None:
-    transformers.logging.set_verbosity_error()  # the driver also sets TQDM_DISABLE=1 for us
-    spec = json.loads(spec_path.read_text())
-    if spec["threads"]:
-        torch.set_num_threads(spec["threads"])
-    result = RUNNERS[spec["engine"]](spec)
-    # ru_maxrss is in KiB on Linux: the peak of this process, which ran nothing but this engine.
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    if spec["device"].startswith("cuda"):
-        result["peak_gpu_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
-    result["torch_threads"] = torch.get_num_threads()
-    result_path.write_text(json.dumps(result))
-
-
 # ---- llama.cpp's batched decode, the reference -------------------------------------------------
 
-def run_llama_batched(binary: Path, spec: Spec) -> Result:
+def run_llama_batched(spec: Spec) -> Result:
     """llama-batched-bench with all the prompts' sequences at once and with one: prompt and decode
     rates, and output tokens/s over the whole run as the engines count it."""
     prompts, output_len = spec["prompts"], spec["output_len"]
     prompt_len = round(statistics.mean(map(len, prompts)))
     batch = len(prompts)
-    command = [str(binary), "-m", spec["model_path"], "-c", str(batch * (prompt_len + output_len)),
-               "-b", "2048", "-ub", "512", "-npp", str(prompt_len), "-ntg", str(output_len),
-               "-npl", f"1,{batch}", "--output-format", "jsonl"]
+    command = [spec["llama_batched_bench"], "-m", spec["model_path"],
+               "-c", str(batch * (prompt_len + output_len)), "-b", "2048", "-ub", "512",
+               "-npp", str(prompt_len), "-ntg", str(output_len), "-npl", f"1,{batch}",
+               "--output-format", "jsonl"]
     if spec["threads"]:
         command += ["-t", str(spec["threads"])]
     completed = subprocess.run(command, capture_output=True, text=True)
@@ -273,27 +256,27 @@ def run_llama_batched(binary: Path, spec: Spec) -> Result:
             "batched_decode_tokens_per_s": together["speed_tg"],
             "batched_prompt_tokens_per_s": together["speed_pp"],
             "single_stream_decode_tokens_per_s": runs[1]["speed_tg"],
+            # the worker's only child: llama.cpp's own peak
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
 
 
-def llama_batched_reference(binary: Path | None, spec: Spec) -> Result:
-    if binary is None:
-        return {"status": f"not built (no bin/llama-batched-bench under {default_peers_dir()}; "
-                          "bash scripts/build_peers.sh)"}
-    if not spec["model_path"].endswith(".gguf") or spec["device"] != "cpu":
-        return {"status": "skipped: llama.cpp runs the GGUF file on the CPU only here"}
-    with tempfile.TemporaryDirectory(prefix="bench_engine.") as folder:
-        spec_path, result_path = Path(folder) / "spec.json", Path(folder) / "result.json"
-        spec_path.write_text(json.dumps(spec | {"llama_batched_bench": str(binary)}))
-        # In its own process, so that RUSAGE_CHILDREN is llama.cpp's peak alone.
-        subprocess.run([sys.executable, __file__, "--llama-worker", str(spec_path),
-                        str(result_path)], check=True)
-        return json.loads(result_path.read_text())
+RUNNERS = {"hf_generate": run_hf_generate, "hf_generate_batch": run_hf_generate_batch,
+           "tokenmill": run_tokenmill, "llama_batched": run_llama_batched}
 
 
-def llama_worker(spec_path: Path, result_path: Path) -> None:
+def worker(spec_path: Path, result_path: Path) -> None:
+    transformers.logging.set_verbosity_error()  # the driver also sets TQDM_DISABLE=1 for us
     spec = json.loads(spec_path.read_text())
-    result_path.write_text(json.dumps(run_llama_batched(Path(spec["llama_batched_bench"]), spec)))
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    result = RUNNERS[spec["engine"]](spec)
+    # ru_maxrss is in KiB on Linux: the peak of this process, which ran nothing but this engine
+    # (llama.cpp's runner reports its own process's).
+    result.setdefault("peak_rss_mib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    if spec["device"].startswith("cuda"):
+        result["peak_gpu_memory_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    result["torch_threads"] = torch.get_num_threads()
+    result_path.write_text(json.dumps(result))
 
 
 # ---- the driver -------------------------------------------------------------------------------
@@ -305,6 +288,15 @@ def run_engine(engine: str, spec: Spec) -> Result:
         subprocess.run([sys.executable, __file__, "--worker", str(spec_path), str(result_path)],
                        check=True, env=os.environ | {"TQDM_DISABLE": "1"})
         return json.loads(result_path.read_text())
+
+
+def llama_batched_reference(binary: Path | None, spec: Spec) -> Result:
+    if binary is None:
+        return {"status": f"not built (no bin/llama-batched-bench under {default_peers_dir()}; "
+                          "bash scripts/build_peers.sh)"}
+    if not spec["model_path"].endswith(".gguf") or spec["device"] != "cpu":
+        return {"status": "skipped: llama.cpp runs the GGUF file on the CPU only here"}
+    return run_engine("llama_batched", spec | {"llama_batched_bench": str(binary)})
 
 
 def ratios(results: dict[str, Result]) -> dict[str, float | None]:
@@ -412,7 +404,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-llama", action="store_true",
                         help="skip the llama.cpp reference")
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--llama-worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
@@ -420,9 +411,6 @@ def main() -> None:
     args = parse_args()
     if args.worker:
         worker(*args.worker)
-        return
-    if args.llama_worker:
-        llama_worker(*args.llama_worker)
         return
     llama_binary = args.llama_batched_bench or default_peers_dir() / "bin" / "llama-batched-bench"
     llama_binary = llama_binary if llama_binary.is_file() else None
