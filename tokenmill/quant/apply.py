@@ -192,7 +192,7 @@ def _distill_scales(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor],
     fit = distill.distill(distill.ReferenceForward(model), teacher, student, embedding, text)
     logger.info("int4 scales distilled in %.0f s: held-out KL %.4f before, %.4f after %d of %d "
                 "steps (the lowest measured)", time.perf_counter() - start, fit.held_out[0][1],
-                min(kl for _, kl in fit.held_out), fit.best_step, len(fit.losses))
+                fit.best_kl, fit.best_step, len(fit.losses))
     for name, product in student.items():
         scales, mins = product.scales_and_mins()
         tensors[f"{name}.scales"], tensors[f"{name}.mins"] = scales.detach(), mins.detach()

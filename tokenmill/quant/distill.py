@@ -178,7 +178,15 @@ def kl_to_teacher(forward: ReferenceForward, teacher: tuple[dict, torch.Tensor],
 class DistillResult:
     losses: list[float]  # the training KL of each step
     held_out: list[tuple[int, float]]  # (steps taken, held-out KL), from 0 steps on
-    best_step: int  # the steps taken by the scales the student ends on
+
+    @property
+    def best_step(self) -> int:
+        """The steps taken by the scales the student ends on: the first lowest held-out KL."""
+        return min(self.held_out, key=lambda check: check[1])[0]
+
+    @property
+    def best_kl(self) -> float:
+        return min(kl for _, kl in self.held_out)
 
 
 def distill(forward: ReferenceForward, teacher: tuple[dict, torch.Tensor],
@@ -207,7 +215,7 @@ def distill(forward: ReferenceForward, teacher: tuple[dict, torch.Tensor],
         return sum(kl_to_teacher(forward, teacher, (student, rows), chunk).item() * len(chunk)
                    for chunk in chunks) / len(check)
 
-    result = DistillResult([], [(0, held_out_kl())], 0)
+    result = DistillResult([], [(0, held_out_kl())])
     best = [p.detach().clone() for p in parameters]
     start = time.perf_counter()
     for step in range(num_steps):
@@ -222,13 +230,12 @@ def distill(forward: ReferenceForward, teacher: tuple[dict, torch.Tensor],
             logger.info("distilling int4 scales: step %d/%d, KL %.4f (%.0f s)", step + 1,
                         num_steps, sum(result.losses[-10:]) / 10, time.perf_counter() - start)
         if (step + 1) % EVAL_EVERY == 0 or step + 1 == num_steps:
-            result.held_out.append((step + 1, held_out_kl()))
-            if result.held_out[-1][1] < min(kl for _, kl in result.held_out[:-1]):
-                result.best_step = step + 1
+            kl = held_out_kl()
+            if kl < result.best_kl:
                 best = [p.detach().clone() for p in parameters]
+            result.held_out.append((step + 1, kl))
             logger.info("distilling int4 scales: held-out KL %.4f after %d steps (best %.4f "
-                        "after %d)", result.held_out[-1][1], step + 1,
-                        min(kl for _, kl in result.held_out), result.best_step)
+                        "after %d)", kl, step + 1, result.best_kl, result.best_step)
     with torch.no_grad():
         for parameter, value in zip(parameters, best):
             parameter.copy_(value)
