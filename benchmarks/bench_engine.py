@@ -312,11 +312,12 @@ def ratios(results: dict[str, Result]) -> dict[str, float | None]:
 
 
 MEDIAN_FIGURES = ("wall_s", "output_tokens_per_s", "single_stream_decode_tokens_per_s",
-                  "peak_rss_mib", "peak_gpu_memory_mib")
+                  "peak_rss_mib", "peak_gpu_memory_mib",
+                  "batched_decode_tokens_per_s", "batched_prompt_tokens_per_s")  # llama.cpp's
 
 
 def median_runs(runs: list[Result]) -> Result:
-    """One engine's runs as one result: the median of each figure that varies by run, the rest
+    """One engine's (or llama.cpp's) runs as one result: the median of each figure that varies by run, the rest
     (requests, KV capacity, configuration) from the first run."""
     return runs[0] | {figure: statistics.median(run[figure] for run in runs)
                       for figure in MEDIAN_FIGURES if figure in runs[0]}
@@ -330,15 +331,8 @@ def median_ratios(rounds: list[dict[str, Any]]) -> dict[str, float | None]:
 
 def median_reference(runs: list[Result]) -> Result:
     """The rounds' llama-batched-bench runs as one: medians where every run succeeded."""
-    if any(run["status"] != "ok" for run in runs):
-        return next(run for run in runs if run["status"] != "ok")
-    return runs[0] | {figure: statistics.median(run[figure] for run in runs)
-                      for figure in LLAMA_FIGURES}
-
-
-LLAMA_FIGURES = ("wall_s", "output_tokens_per_s", "batched_decode_tokens_per_s",
-                 "batched_prompt_tokens_per_s", "single_stream_decode_tokens_per_s",
-                 "peak_rss_mib")
+    failed = [run for run in runs if run["status"] != "ok"]
+    return failed[0] if failed else median_runs(runs)
 
 
 def print_table(report: dict[str, Any], title: str) -> None:
