@@ -317,8 +317,8 @@ MEDIAN_FIGURES = ("wall_s", "output_tokens_per_s", "single_stream_decode_tokens_
 
 
 def median_runs(runs: list[Result]) -> Result:
-    """One engine's (or llama.cpp's) runs as one result: the median of each figure that varies by run, the rest
-    (requests, KV capacity, configuration) from the first run."""
+    """One engine's (or llama.cpp's) runs as one result: the median of each figure that varies
+    by run, the rest (requests, KV capacity, configuration) from the first run."""
     return runs[0] | {figure: statistics.median(run[figure] for run in runs)
                       for figure in MEDIAN_FIGURES if figure in runs[0]}
 
