@@ -16,6 +16,10 @@ import torch
 import transformers
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Environment variables that change a run's figures without changing its code: a report records
+# the ones that were set (session 34 compared generate_batch with oneDNN's AMX kernels and without).
+RUN_SETTINGS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "OMP_NUM_THREADS", "LD_PRELOAD",
+                "GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE", "TOKENMILL_QUANT_CACHE_DIR")
 
 
 def machine_info(device: str = "cpu") -> dict[str, Any]:
@@ -32,6 +36,7 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": transformers.__version__,
         "torch_default_threads": torch.get_num_threads(),
+        "settings": {name: os.environ[name] for name in RUN_SETTINGS if name in os.environ},
     } | ({"device": device, "gpu": torch.cuda.get_device_name(device)}
          if device.startswith("cuda") else {})
 
