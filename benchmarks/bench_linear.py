@@ -9,7 +9,7 @@ against the packed product in alternating rounds (the median of --step-rounds).
     python benchmarks/bench_linear.py
     python benchmarks/bench_linear.py --step-rows 1,8,12,16,32   # the step table only: --rows ""
     python benchmarks/bench_linear.py --rows 1,2,3,4,5,6,8,16,32,64,256,2048 \
-        --output-json benchmarks/results/linear_bf16-amx.json   # on a CPU with AMX
+        --output-json benchmarks/results/bench_linear-intel-xeon-amx-$(date +%F).json
 """
 
 from __future__ import annotations

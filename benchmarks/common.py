@@ -17,7 +17,7 @@ import transformers
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Environment variables that change a run's figures without changing its code: a report records
-# the ones that were set (session 34 compared generate_batch with oneDNN's AMX kernels and without).
+# the ones that were set (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, say, keeps oneDNN off the AMX tiles).
 RUN_SETTINGS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "OMP_NUM_THREADS", "LD_PRELOAD",
                 "GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE", "TOKENMILL_QUANT_CACHE_DIR")
 

@@ -1,11 +1,12 @@
 """Which of torch's CUDA SDPA backends compute tokenmill's attention correctly, and what each
 does to SmolLM2's perplexity.
 
-Session 23's first GPU run gave a bf16 perplexity of 13.773 on the H100 against 13.100 in fp32
-and 13.101 through the same PyTorch ops in bf16 on the CPU. This script finds where: SDPA's error
-on the model's shapes (9 query heads over 3 KV heads, head_dim 64; causal prefill with
-enable_gqa on transposed views, and the decode call's grouped layout), against an fp32
-reference, for each backend; then the perplexity with each backend alone allowed.
+The first GPU run (one H100, 2026-12-06, `bash benchmarks/cuda_check.sh`) gave a bf16 perplexity
+of 13.773 against 13.100 in fp32 and 13.101 through the same PyTorch ops in bf16 on the CPU. This
+script finds where: SDPA's error on the model's shapes (9 query heads over 3 KV heads, head_dim
+64; causal prefill with enable_gqa on transposed views, and the decode call's grouped layout),
+against an fp32 reference, for each backend; then the perplexity with each backend alone
+allowed.
 
     python benchmarks/cuda_attention_backends.py --output-json OUT.json
 """

@@ -37,8 +37,8 @@ cmake --build build -j"$JOBS" --target "${TARGETS[@]}"
 for target in "${TARGETS[@]}"; do
   ln -sf "$PWD/build/bin/$target" "$PEERS_DIR/bin/$target"
 done
-# ggml's AMX kernels die by SIGILL (at tilezero) once 4 or more sequences decode together
-# (docs/benchmarks.md, session 33), so on an AMX CPU llama-batched-bench is built again without
+# ggml's AMX kernels die by SIGILL (at tilezero) once 4 or more sequences decode together (gdb on
+# an Intel Xeon with AMX, 2026-12-06), so on an AMX CPU llama-batched-bench is built again without
 # them, with the AVX-512 extensions the CPU has: the reference bench_engine.py runs.
 if grep -qw amx_tile /proc/cpuinfo; then
   flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON

@@ -1,4 +1,4 @@
-"""Shared fixtures: the real SmolLM2 weights are read from disk once per test session."""
+"""Shared fixtures: the real SmolLM2 weights are read from disk once per test run."""
 
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ def test_datasets_are_generated_to_size(tokenizer, tmp_path):
     shared = build_dataset(DatasetSpec("shared-prefix", 12, num_prefixes=3, prefix_len=400,
                                        nonce="n1"), tokenizer)
     prompts = {c.system_prompt for c in shared}
-    assert len(prompts) == 3 and all(p.startswith("[session n1]") for p in prompts)
+    assert len(prompts) == 3 and all(p.startswith("[run n1]") for p in prompts)
     assert all(380 <= count(tokenizer, p) <= 420 and '"search_docs"' in p for p in prompts)
     assert all(count(tokenizer, c.user_turns[0]) < 30 for c in shared)
 

@@ -54,7 +54,7 @@ def test_distillation_lowers_the_kl_on_held_out_text(tmp_path, smollm, monkeypat
 
 
 def test_a_fit_that_only_loses_ends_on_gptqs_scales(tmp_path, smollm, monkeypatch) -> None:
-    """A step size far too large (as 1e-3 was for Qwen2.5-0.5B's int4, session 32) raises the
+    """A step size far too large (as 1e-3 was for Qwen2.5-0.5B's int4) raises the
     held-out KL at every check; the student must end where it began, not where the fit left it."""
     monkeypatch.setenv("TOKENMILL_QUANT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(distill, "EVAL_EVERY", 4)

@@ -132,7 +132,8 @@ def test_few_rows_bf16_linear_reads_interleaved_rows_to_the_same_values():
         cpu_kernels().linear_bf16(torch.randn(1, 544).bfloat16(), interleaved, None)
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+@pytest.mark.skipif(not layers._onednn_bf16(),
+                    reason="oneDNN has no bfloat16 product on this CPU (AVX2 only)")
 def test_bf16_linear_beyond_few_rows_multiplies_a_packed_copy():
     """Past FEW_ROWS_MAX rows a bfloat16 Linear multiplies oneDNN's packed copy of W: close to
     the float product at decode and prefill row counts, and the decode stack gets that copy."""
@@ -145,6 +146,17 @@ def test_bf16_linear_beyond_few_rows_multiplies_a_packed_copy():
         torch.testing.assert_close(linear(x).float(), expected, atol=0.05, rtol=2 ** -7)
     assert linear.packed is not None and linear.decode_product().tensors[1] is linear.packed
     assert layers.Linear(weight.float()).packed is None  # float32 keeps F.linear
+
+
+def test_bf16_linear_keeps_f_linear_where_onednn_has_no_bfloat16(monkeypatch):
+    """An AVX2-only CPU: oneDNN's bfloat16 reorder raises there, so the layer never packs."""
+    monkeypatch.setattr(layers, "_onednn_bf16", lambda: False)
+    torch.manual_seed(5)
+    weight = torch.randn(96, 64).bfloat16()
+    linear = layers.Linear(weight, None)
+    x = torch.randn(layers.FEW_ROWS_MAX + 1, 64).bfloat16()
+    assert linear.packed is None
+    torch.testing.assert_close(linear(x).float(), torch.nn.functional.linear(x, weight).float())
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="no C++ compiler here")

@@ -26,7 +26,7 @@ from tokenmill.model.loader import (BUILTIN_MODELS, DEFAULT_MODEL, BuiltinModel,
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory):
-    # Module scope, not session: the variable must not leak into other test modules.
+    # Module scope, not the whole run: the variable must not leak into other test modules.
     path = tmp_path_factory.mktemp("tokenmill-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TOKENMILL_CACHE_DIR", str(path))

@@ -2,10 +2,14 @@
 the engine's invariants on a quantized SmolLM2.
 
 Layer tests use small random matrices and force each path (packed kernel, de-quantize + GEMM) at
-every row count the crossover is measured at; model tests use the session's SmolLM2 weights.
+every row count the crossover is measured at; model tests use the SmolLM2 weights conftest loads
+once.
 """
 
 from __future__ import annotations
+
+import argparse
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -13,13 +17,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as GGMLType
+from safetensors.torch import load_file, save_file
 
 from tests.prompts import SYSTEM_PROMPT, varied_prompts
-from tokenmill import EngineConfig, SamplingParams
+from tests.test_tensor_parallel import write_tiny_model
+from tokenmill import LLM, EngineConfig, SamplingParams
+from tokenmill.cli import add_engine_args, engine_config_from_args
 from tokenmill.kernels import cpu_has_amx, fused_kernels
 from tokenmill.model.layers import FEW_ROWS_MAX, PACKED_MAX_ROWS, Linear
 from tokenmill.model.loader import GGUFBlocks
-from tokenmill.quant.gguf import auto_quantization, gguf_linear
+from tokenmill.quant.gguf import auto_group_size, auto_quantization, gguf_linear
 from tokenmill.quant.int4 import Int4Linear, group_widths
 from tokenmill.quant.int8 import Int8Linear
 from tokenmill.quant.linear import NO_ROW_LIMIT, QuantizedEmbedding, QuantizedLinear, own_kernels
@@ -187,7 +194,9 @@ def test_rotated_int4_prefill_undoes_the_rotation_on_w_instead_of_rotating_x(
     """Past packed_max_rows a rotated layer's de-quantize path gives W R R^T, the float W (a
     last group of 64 included), so x meets it unrotated; groups of 32 rotate x as before."""
     weight, bias = random_weight(96, in_features).to(dtype), torch.randn(96).to(dtype)
-    layer = Int4Linear.quantize(weight, group_size, bias,
+    # A row limit, as on every CPU with tokenmill's kernels: without one (aten's kernel on an
+    # AVX2-only CPU) nothing de-quantizes and the layer keeps only the kernel's copy of W.
+    layer = Int4Linear.quantize(weight, group_size, bias, packed_max_rows=PACKED_MAX_ROWS,
                                 input_rotation=rotation_signs(in_features))
     restored = (layer.dequantize().float().reshape(-1, 64)
                 @ rotation_matrix(layer.input_rotation).T).view(96, in_features)
@@ -549,6 +558,66 @@ def test_quantization_options_are_validated() -> None:
         EngineConfig(quantization="int3")
     with pytest.raises(ValueError, match="quant_group_size=48"):
         EngineConfig(quantization="int4", quant_group_size=48)
+    with pytest.raises(ValueError, match="quant_group_size='big': must be auto, 32, 64 or 128"):
+        EngineConfig(quantization="int4", quant_group_size="big")
+
+
+def write_header_gguf(path: Path, quant_types: list[gguf.GGMLQuantizationType]) -> Path:
+    """A GGUF file of 64 x 128 matrices in the given types (auto_group_size reads the header)."""
+    writer = gguf.GGUFWriter(path, "llama")
+    values = np.random.default_rng(0).standard_normal((64, 128), dtype=np.float32)
+    for index, quant_type in enumerate(quant_types):
+        if quant_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            dtype = np.float32 if quant_type == gguf.GGMLQuantizationType.F32 else np.float16
+            writer.add_tensor(f"blk.{index}.w", values.astype(dtype))
+        else:
+            writer.add_tensor(f"blk.{index}.w", gguf.quants.quantize(values, quant_type),
+                              raw_dtype=quant_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_auto_group_size_is_64_over_4_bit_groups_of_32_else_128(tmp_path, smollm) -> None:
+    types = gguf.GGMLQuantizationType
+    assert auto_group_size(smollm.path) == 64  # SmolLM2's file: Q4_1 matrices, a Q8_0 embedding
+    assert auto_group_size(write_header_gguf(tmp_path / "q4.gguf", [types.Q4_0, types.Q4_0,
+                                                                     types.Q8_0])) == 64
+    assert auto_group_size(write_header_gguf(tmp_path / "float.gguf", [types.F16, types.F32])) \
+        == 128
+    assert auto_group_size(write_header_gguf(tmp_path / "q8.gguf", [types.Q8_0, types.Q8_0,
+                                                                     types.Q4_1])) == 128
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_auto_group_size_over_a_float_checkpoint_is_128(tmp_path, smollm, dtype) -> None:
+    folder = write_tiny_model(tmp_path / "tiny", smollm, "LlamaForCausalLM", 4, 2)
+    weights = load_file(folder / "model.safetensors")
+    save_file({name: tensor.to(dtype) for name, tensor in weights.items()},
+              folder / "model.safetensors")
+    llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=16, quantization="int4",
+              quant_method="rtn")
+    assert llm.engine.config.quant_group_size == "auto"
+    assert llm.engine.runner.quant_group_size == 128
+    assert auto_group_size(folder) == 128
+
+
+def test_int4_auto_group_size_on_the_built_in_model_is_64(make_llm) -> None:
+    llm = make_llm(quantization="int4", num_kv_blocks=16)
+    assert llm.engine.runner.quant_group_size == 64
+    assert make_llm(quantization="int8", num_kv_blocks=16).engine.runner.quant_group_size is None
+
+
+def test_quant_group_size_flag_takes_auto_or_a_number() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).quant_group_size == "auto"
+    assert engine_config_from_args(
+        parser.parse_args(["--quant-group-size", "64"])).quant_group_size == 64
+    assert engine_config_from_args(
+        parser.parse_args(["--quant-group-size", "auto"])).quant_group_size == "auto"
 
 
 # ---- engine invariants on a quantized model ---------------------------------------------------

@@ -1,5 +1,5 @@
 """End to end: one real `tokenmill serve` process on loopback, driven by the official `openai`
-client, httpx and lm-eval. The server (conftest's `tokenmill_server`) starts once for the session,
+client, httpx and lm-eval. The server (conftest's `tokenmill_server`) starts once for the whole run,
 also serves tests/test_bench.py, and must shut down gracefully with every KV block free.
 """
 

@@ -2,8 +2,9 @@
 
 Greedy output at TP=2 must equal TP=1 token for token (fp32) on tiny random-weight models whose
 heads divide (KV heads split, KV heads replicated, Qwen2 biases), and the real SmolLM2 must give
-the same output at TP=3 as alone. Workers must never outlive the engine: not after a shutdown,
-not after Ctrl-C.
+the same output at TP=3 as alone. Workers start as `python -m tokenmill.distributed.worker`, so a
+script with no main guard, or one piped to `python -`, starts them as a script file would. Workers
+must never outlive the engine: not after a shutdown, not after Ctrl-C.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tests.prompts import CHAT_QUESTIONS
 from tests.server_process import REPO_ROOT, free_port
 from tokenmill import LLM, SamplingParams
 from tokenmill.distributed.shard import TensorShard
+from tokenmill.distributed.worker_group import WorkerGroup
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.model_config import ModelConfig
 
@@ -156,6 +158,62 @@ def test_smollm2_tp3_equals_tp1(make_llm, llm_fp32):
         stop_and_check_workers(parallel)
 
 
+# A user's script as it is often written: no `if __name__ == "__main__":` guard. Under
+# multiprocessing's spawn each worker would re-run it, and piped to `python -` it has no file.
+UNGUARDED_SCRIPT = """
+import json, sys
+from tokenmill import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="float32", num_kv_blocks=64, block_size=8,
+          tensor_parallel_size=2)
+params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+outputs = llm.generate(json.loads(sys.argv[2]), params, use_tqdm=False)
+print("TOKENS", json.dumps([o.outputs[0].token_ids for o in outputs]))
+"""
+
+
+@pytest.mark.parametrize("how", ["script file", "piped to python -"])
+def test_tp2_from_a_script_without_main_guard_equals_tp1(tmp_path, smollm, how):
+    folder = write_tiny_model(tmp_path / "tiny", smollm, "LlamaForCausalLM", 4, 2)
+    prompts = tiny_prompts()
+    expected = greedy_tokens(LLM(model=str(folder), dtype="float32", num_kv_blocks=64,
+                                 block_size=8), prompts, max_tokens=12)
+    script = tmp_path / "generate.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    arguments = [str(folder), json.dumps(prompts)]
+    command, stdin = ([sys.executable, str(script), *arguments], None) if how == "script file" \
+        else ([sys.executable, "-", *arguments], UNGUARDED_SCRIPT)
+    # From another folder, as a user's script runs: nothing of the repository on the path.
+    result = subprocess.run(command, input=stdin, capture_output=True, text=True, cwd=tmp_path,
+                            timeout=240)
+    assert result.returncode == 0, result.stderr
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert json.loads(line[7:]) == expected
+    assert result.stdout.count("TOKENS ") == 1  # no worker ran the script again
+
+
+def test_a_worker_that_fails_while_starting_raises_with_its_last_log_lines(tmp_path, smollm,
+                                                                          monkeypatch):
+    folder = write_tiny_model(tmp_path / "tiny", smollm, "LlamaForCausalLM", 4, 2)
+    start = WorkerGroup.start.__func__
+
+    def start_over_a_broken_file(cls, config):
+        # Rank 0 has read the weights; rank 1 will read this. A new file replaces the old one,
+        # whose pages rank 0 may still map.
+        broken = folder / "broken.safetensors"
+        broken.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+        os.replace(broken, folder / "model.safetensors")
+        return start(cls, config)
+
+    monkeypatch.setattr(WorkerGroup, "start", classmethod(start_over_a_broken_file))
+    with pytest.raises(RuntimeError) as error:
+        LLM(model=str(folder), dtype="float32", num_kv_blocks=64, block_size=8,
+            tensor_parallel_size=2)
+    message = str(error.value)
+    assert message.startswith("tensor parallel: tokenmill-rank-1 exited with code 1 while "
+                              "starting; its last log lines:\n"), message
+    assert "Traceback" in message and "deserializ" in message, message
+
+
 def test_heads_that_dont_divide_fail_at_start_up(make_llm):
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2: the model has 9 attention "
                        "heads"):
@@ -205,7 +263,7 @@ def test_ctrl_c_stops_every_rank(tmp_path, smollm):
                "--model", str(folder), "--dtype", "float32", "--num-kv-blocks", "512",
                "--tensor-parallel-size", "2", "--max-tokens", "3000", "--num-threads", "2"]
     with log_path.open("w") as log:
-        # Its own session, so the SIGINT below reaches its process group as a terminal's would.
+        # Its own process group (setsid), so the SIGINT below reaches its process group as a terminal's would.
         # SIGINT at its default: a shell runs background jobs (`pytest &`) with it ignored, and
         # a child inherits that, so Python would never raise KeyboardInterrupt there.
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -217,7 +275,8 @@ def test_ctrl_c_stops_every_rank(tmp_path, smollm):
         assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
         time.sleep(0.2)
     children = psutil.Process(process.pid).children(recursive=True)
-    assert any("spawn_main" in " ".join(c.cmdline()) for c in children), log_path.read_text()
+    assert any("tokenmill.distributed.worker" in " ".join(c.cmdline()) for c in children), \
+        log_path.read_text()
     ready = len(log_path.read_text())
     while len(log_path.read_text()) < ready + 200:  # text streaming: generating now
         assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()

@@ -28,8 +28,9 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = hints[field.name]
-        if isinstance(kind, types.UnionType):  # "int | None" -> int
-            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        if isinstance(kind, types.UnionType):  # "int | None" -> int; "int | str" -> either
+            kinds = [a for a in typing.get_args(kind) if a is not type(None)]
+            kind = _int_or_word if kinds == [int, str] else kinds[0]
         if field.name == "model" and positional_model:
             parser.add_argument("model_pos", nargs="?", metavar="MODEL",
                                 help="built-in model name, .gguf file or safetensors folder")
@@ -39,6 +40,11 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         else:
             parser.add_argument(flag, type=kind, default=field.default,
                                 help=f"(default: {field.default})")
+
+
+def _int_or_word(value: str) -> int | str:
+    """A flag that takes a number or a word such as auto (--quant-group-size)."""
+    return int(value) if value.isdigit() else value
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -20,6 +20,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 # distilled end to end from the float model (tokenmill/quant/distill.py).
 QUANT_METHODS = ("rtn", "gptq", "gptq-in-order", "gptq-hadamard", "rtn-hadamard",
                  "gptq-hadamard-distill")
+QUANT_GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: tokenmill/model/kv_int8.py
 SPECULATIVE_METHODS = ("ngram", "draft", "self")
 
@@ -45,7 +46,9 @@ class EngineConfig:
     node_rank: int = 0  # this host's index; node 0 runs the engine, the others only workers
     debug_checks: bool = False  # assert block accounting after every step
     quantization: str = "auto"  # weights: auto, none, int8 (per channel), int4 (grouped), gguf
-    quant_group_size: int = 128  # inputs per int4 scale and zero point
+    # Inputs per int4 scale and zero point: 32, 64, 128, or auto (quant/gguf.py's
+    # auto_group_size: 64 over a file already 4-bit in groups of 32, else 128).
+    quant_group_size: int | str = "auto"
     quant_method: str = "gptq-hadamard"  # int4 only: one of QUANT_METHODS
     kv_cache_dtype: str = "auto"  # int8: a scale per token and head, about twice the tokens
     # Speculative decoding (docs/speculative.md); None turns it off.
@@ -89,8 +92,8 @@ class EngineConfig:
                self.quantization, "is not supported with tensor_parallel_size > 1 yet")
         _check(self.quantization in QUANTIZATIONS, "quantization", self.quantization,
                f"must be one of {', '.join(QUANTIZATIONS)}")
-        _check(self.quant_group_size in (32, 64, 128), "quant_group_size", self.quant_group_size,
-               "must be 32, 64 or 128")
+        _check(self.quant_group_size in ("auto", *QUANT_GROUP_SIZES), "quant_group_size",
+               self.quant_group_size, "must be auto, 32, 64 or 128")
         _check(self.quant_method in QUANT_METHODS, "quant_method", self.quant_method,
                f"must be one of {', '.join(QUANT_METHODS)}")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,

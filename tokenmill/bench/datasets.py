@@ -182,7 +182,7 @@ def _shared_prefix(spec: DatasetSpec, text: _Text, rng: random.Random) -> list[C
     system_prompts = []
     for index in range(spec.num_prefixes):
         tools = json.dumps([TOOLS[(index + k) % len(TOOLS)] for k in range(len(TOOLS))])
-        head = (f"[session {spec.nonce}] Agent {index}. {AGENT_INSTRUCTION}\n\nTools (JSON "
+        head = (f"[run {spec.nonce}] Agent {index}. {AGENT_INSTRUCTION}\n\nTools (JSON "
                 f"schema):\n{tools}\n\nReference notes:\n")
         filler = spec.prefix_len - text.count(head)
         system_prompts.append(head + (text.passage(rng, filler) if filler > 0 else ""))

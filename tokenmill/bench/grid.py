@@ -58,7 +58,7 @@ def run_grid(plans: list[ServerPlan], workload: Workload, tokenizer: PreTrainedT
              log_dir: Path, start_timeout_s: float = 300.0, progress: bool = True,
              show: Callable[[str], None] = print) -> GridResult:
     result = GridResult([], {})
-    session = uuid.uuid4().hex[:8]
+    run_id = uuid.uuid4().hex[:8]
     for plan in plans:
         port = free_port()
         try:
@@ -75,7 +75,7 @@ def run_grid(plans: list[ServerPlan], workload: Workload, tokenizer: PreTrainedT
             for spec in workload.datasets:
                 for concurrency, count in zip(workload.concurrencies, workload.num_prompts):
                     count = min(count, plan.max_num_prompts or count)
-                    nonce = f"{session}{len(result.runs) - runs_before:03d}"
+                    nonce = f"{run_id}{len(result.runs) - runs_before:03d}"
                     conversations = build_dataset(replace(spec, num_prompts=count, nonce=nonce),
                                                   tokenizer)
                     run = run_benchmark(target, conversations,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import multiprocessing
 import threading
 from collections.abc import Iterator
 
@@ -22,6 +21,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.distributed.process_group import (init_process_group, node_ranks, rank_config,
                                                  with_rendezvous)
 from tokenmill.distributed.step_broadcast import send_step, send_stop
+from tokenmill.distributed.worker_process import WorkerProcess
 from tokenmill.model.attention import AttentionMetadata
 
 logger = logging.getLogger("tokenmill.distributed")
@@ -30,7 +30,7 @@ JOIN_TIMEOUT_S = 30.0
 
 
 class WorkerGroup:
-    def __init__(self, processes: list[multiprocessing.Process], group: dist.ProcessGroup) -> None:
+    def __init__(self, processes: list[WorkerProcess], group: dist.ProcessGroup) -> None:
         self.processes = processes
         self.group = group
         self.in_step = False  # rank 0 sent a step whose forward has not finished
@@ -39,19 +39,12 @@ class WorkerGroup:
     @classmethod
     def start(cls, config: EngineConfig) -> "WorkerGroup":
         """Start ranks 1.. of node 0 and join the group with every rank (other nodes' too)."""
-        from tokenmill.distributed.worker import run_worker  # it imports the model runner
-
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine is already running in this process; "
                                "shut it down (LLMEngine.shutdown) before starting another")
         config = with_rendezvous(config)
         torch.set_num_threads(rank_config(config, 0).num_threads)
-        context = multiprocessing.get_context("spawn")
-        processes = [context.Process(target=run_worker, args=(config, rank), daemon=True,
-                                     name=f"tokenmill-rank-{rank}")
-                     for rank in node_ranks(config)[1:]]
-        for process in processes:
-            process.start()
+        processes = [WorkerProcess(config, rank) for rank in node_ranks(config)[1:]]
         logger.info("tensor parallel: %d ranks over %d node(s), rendezvous at %s, %d threads "
                     "per rank; worker pids %s", config.tensor_parallel_size, config.nnodes,
                     config.dist_init_addr, torch.get_num_threads(), [p.pid for p in processes])
@@ -72,8 +65,7 @@ class WorkerGroup:
             # (the control group's timeout is a year); this node's workers are checked first.
             dead = next((p for p in self.processes if not p.is_alive()), None)
             if dead is not None:
-                raise RuntimeError(f"tensor parallel: {dead.name} exited with code "
-                                   f"{dead.exitcode}")
+                raise dead.exit_error("mid-run")
             send_step(self.group, input_ids, positions, meta)
             yield
         except BaseException:
@@ -101,9 +93,16 @@ class WorkerGroup:
             dist.destroy_process_group()
 
 
-def _join(config: EngineConfig, processes: list[multiprocessing.Process]) -> dist.ProcessGroup:
-    """init_process_group on a thread, so a worker that dies while starting is reported at once
-    instead of after the rendezvous timeout."""
+def _join(config: EngineConfig, processes: list[WorkerProcess]) -> dist.ProcessGroup:
+    """init_process_group once this node's workers have their weights, on a thread, so a worker
+    that dies while joining is reported at once instead of after the rendezvous timeout."""
+    try:
+        for process in processes:
+            process.wait_loaded()
+    except RuntimeError:
+        for process in processes:
+            process.terminate()
+        raise
     joined: list[dist.ProcessGroup | BaseException] = []
 
     def join() -> None:
@@ -120,8 +119,7 @@ def _join(config: EngineConfig, processes: list[multiprocessing.Process]) -> dis
         if dead and thread.is_alive():
             for process in processes:
                 process.terminate()
-            raise RuntimeError(f"tensor parallel: {dead[0].name} exited with code "
-                               f"{dead[0].exitcode} while starting; its log says why")
+            raise dead[0].exit_error("while starting")
     if isinstance(joined[0], BaseException):
         for process in processes:
             process.terminate()

@@ -31,7 +31,7 @@ from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import LoadedModel
 from tokenmill.model.sampler import Sampler, logprob_entries
 from tokenmill.quant import model_bytes, quantize_model
-from tokenmill.quant.gguf import auto_quantization
+from tokenmill.quant.gguf import auto_group_size, auto_quantization
 from tokenmill.spec.rejection import RejectionSampler
 
 logger = logging.getLogger(__name__)
@@ -84,8 +84,11 @@ class ModelRunner:
         self.quantization = config.quantization if config.quantization != "auto" \
             else auto_quantization(loaded.path, self.dtype, self.device,
                                    config.tensor_parallel_size)
-        quantize_model(self.model, self.quantization, config.quant_group_size, loaded,
-                       config.quant_method)
+        group_size = config.quant_group_size if config.quant_group_size != "auto" \
+            else auto_group_size(loaded.path)
+        quantize_model(self.model, self.quantization, group_size, loaded, config.quant_method)
+        # What int4 ran with (eval reports it); None for every other format.
+        self.quant_group_size = group_size if self.quantization == "int4" else None
         self.model_bytes = model_bytes(self.model)
         self.sampler = Sampler(config.seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
@@ -105,7 +108,8 @@ class ModelRunner:
         self.kv_cache_bytes = 2 * mc.num_layers * self.kv_caches[0][0].nbytes
         logger.info("weights: %.1f MiB in %s, %.1f MiB with quantization=%s%s; KV cache: %.1f "
                     "MiB in %s for %d tokens", self.float_model_bytes / 2**20, str(self.dtype)[6:],
-                    self.model_bytes / 2**20, self.quantization,
+                    self.model_bytes / 2**20, self.quantization + (
+                        f" (groups of {group_size})" if self.quant_group_size else ""),
                     " (auto)" if config.quantization == "auto" else "", self.kv_cache_bytes / 2**20,
                     str(cache_dtype)[6:], self.kv_capacity_tokens)
         self.use_decode_kernel = decode_kernel_available(self.device)

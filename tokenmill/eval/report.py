@@ -51,6 +51,7 @@ class EvalOptions:
 @dataclass(slots=True)
 class ConfigResult:
     name: str
+    quant_group_size: int | None  # inputs per int4 scale as served (auto resolved); None: not int4
     model_bytes: int
     kv_bytes_per_token: float
     perplexity: float
@@ -69,11 +70,11 @@ class EvalReport:
     perplexity_text: str = ""  # slice_description of the tokens scored
 
     def table(self) -> str:
-        header = ("configuration", "model MiB", "KV B/token", "perplexity", "change",
+        header = ("configuration", "int4 group", "model MiB", "KV B/token", "perplexity", "change",
                   "agreement", "accuracy", "decode tok/s")
         rows = [header] + [(
             r.name + (" (reference)" if r.name == self.reference else ""),
-            f"{r.model_bytes / 2**20:.1f}", f"{r.kv_bytes_per_token:.0f}",
+            str(r.quant_group_size or "-"), f"{r.model_bytes / 2**20:.1f}", f"{r.kv_bytes_per_token:.0f}",
             f"{r.perplexity:.3f}", f"{r.perplexity_change:+.2f}%", f"{100 * r.agreement:.1f}%",
             f"{100 * r.accuracy:.1f}%", f"{r.decode_tokens_per_s:.1f}") for r in self.results]
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -138,7 +139,7 @@ def _measure(llm: LLM, name: str, inputs: _Inputs, options: EvalOptions,
     ppl = perplexity(llm, inputs.perplexity_tokens, options.window)
     baseline = reference_perplexity or ppl
     return ConfigResult(
-        name=name, model_bytes=runner.model_bytes,
+        name=name, quant_group_size=runner.quant_group_size, model_bytes=runner.model_bytes,
         kv_bytes_per_token=runner.kv_cache_bytes / runner.kv_capacity_tokens,
         perplexity=ppl, perplexity_change=100 * (ppl / baseline - 1),
         agreement=greedy_agreement(llm, inputs.continuations),

@@ -2,7 +2,7 @@
 //
 // From a few dozen rows a product is bound by arithmetic, not by the bytes of W: at 32 rows the
 // VDPBF16PS tile of linear_bf16.cpp took 4.6x oneDNN's AMX product on SmolLM2's gate_up, and int8
-// and int4 weights widened for it lost to bf16 at 32 sequences (docs/quantization.md). One
+// and int4 weights widened for it lost to bf16 at 32 sequences (python benchmarks/bench_linear.py). One
 // TDPBF16PS does 16 x 16 x 32 products where VDPBF16PS does 16 x 2, so widening the codes to
 // bfloat16, which every row of x shares, becomes the main cost.
 //
@@ -265,7 +265,7 @@ torch::Tensor amx_product(const torch::Tensor& x, const torch::Tensor& out, int6
   // steps, so that their transposes and rounding run beside the AMX unit instead of after it,
   // which waited meanwhile; halfway between the steps that widen a slice of codes. SmolLM2's
   // products, 30 layers and the lm_head from memory, in bf16: 0.92-0.96x the time at 16-96 rows
-  // (bench_kernels_ab.py, AMX VM, results/kernels_ab-amx-finish-overlap-s27.json).
+  // (benchmarks/bench_kernels_ab.py on an AMX CPU).
   const int64_t spacing = std::max<int64_t>(1, steps / kBlockTiles);
   share_blocks(w_blocks, [&](auto take) {
     const Tiles tiles;

@@ -4,8 +4,8 @@
 // cache lines for a 576-wide bf16 row), and every block of rows starts four new ones. The
 // hardware prefetcher barely gets going on streams that short. Asking for the next block of rows
 // in address order while the current one is multiplied lifted the one-row bf16 product on the
-// 576-wide shapes from 9 to 15 GB/s to 15 to 26 (benchmarks/bench_weight_streaming.py,
-// docs/quantization.md); on 1536-wide rows, long enough for the hardware, it gained nothing.
+// 576-wide shapes from 9 to 15 GB/s to 15 to 26 (python benchmarks/bench_weight_streaming.py);
+// on 1536-wide rows, long enough for the hardware, it gained nothing.
 // Decode attention reads a few KB of one KV block and then jumps to the next, anywhere in the
 // pool: asking for the next block while one is read took a 64-sequence decode step's attention
 // from 0.99 to 0.75 ms a layer in bf16 and 1.38 to 1.18 in fp32 on the AMX machine

@@ -8,6 +8,7 @@ each (tokenmill/kernels/fused_ops.cpp), rounding as the PyTorch code beside them
 
 from __future__ import annotations
 
+import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -91,9 +92,15 @@ def interleave_bf16(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packs_bf16(weight: torch.Tensor) -> bool:
-    """Whether W can be multiplied by packed_bf16: bfloat16 on a CPU, where torch has oneDNN."""
+    """Whether W can be multiplied by packed_bf16: bfloat16 on a CPU where oneDNN multiplies
+    bfloat16 (AVX-512 or AVX-NE-CONVERT; on an AVX2-only CPU its reorder raises)."""
     return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" \
-        and weight.dim() == 2 and torch.backends.mkldnn.is_available()
+        and weight.dim() == 2 and _onednn_bf16()
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -121,39 +128,21 @@ def float_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 # Rows of x past which F.linear multiplies instead of packed_bf16: there oneDNN's own reorder of W
-# costs little beside the product, and it matched the packed product (SmolLM2's four products at
-# 512 rows 1.57 against 1.76 ms, at 2,048 5.1 against 4.9), while a W de-quantized for the call
-# (quant/linear.py) skips packing it, 0.2 to 0.4 ms a product (benchmarks/bench_quant_kernels.py,
-# results/quant_kernels-amx-flinear.json).
+# costs little beside the product (SmolLM2's four products at 512 rows: 1.57 against 1.76 ms),
+# while a W de-quantized for the call skips packing it (benchmarks/bench_quant_kernels.py).
 PACKED_MAX_ROWS = 256
 
 
-# The row count oneDNN lays W out for. Hints of 1, 16 and 64 tried at 8 to 2048 rows on the AMX
-# machine differed by 10% or less but at a few shapes; with 64, packed_bf16 beat F.linear by 1.0 to
-# 2.7x from 1 to 256 rows and matched it (0.94 to 1.05x) at 2048 (results/linear_bf16-amx.json).
+# The row count oneDNN lays W out for: hints of 1, 16 and 64 differed by 10% or less from 8 to
+# 2,048 rows; with 64, packed_bf16 was 1.0-2.7x F.linear up to 256 rows (benchmarks/bench_linear.py).
 PACKED_ROWS_HINT = 64
 
 
-# Rows of x up to which tokenmill's kernel (kernels/linear_bf16.cpp) runs instead of oneDNN,
-# measured by benchmarks/bench_linear.py. Without AMX (results/linear_bf16.json, against F.linear
-# before W was packed): 1.8 to 5.9x faster at one row; at 32, 1.17 to 1.42x on the layers' shapes
-# and 0.96x on the lm_head; from 48 to 64 rows 0.84 to 1.27x. With AMX the kernel runs up to 2
-# rows on VDPBF16PS and from 3 on AMX tiles (kernels/linear_amx.cpp), where oneDNN multiplies on
-# AMX tiles too: 1.4x oneDNN's packed product at 8 and 16 rows with a decode step's weights
-# streamed, 1.16x at 32, 0.96x at 48 and 64, and the lm_head 0.69x at 64 rows
-# (results/linear_bf16-amx-10226fd.json). 32 there instead of 64: the 64-sequence bf16 engine run
-# 894.5 / 897.6 / 922.4 -> 922.6 / 911.8 / 934.8 tokens/s (bench_engine.py --engines tokenmill,
-# the two alternating, session 17). Since the AMX kernel's spread prefetch it takes 0.97x
-# oneDNN's time on the 30 layers' products at 64 rows, streamed (the lm_head alone, in cache,
-# 1.15x; 0.94x and 0.85x oneDNN's speed at 96 and 128 rows; results/linear_bf16-amx-s24.json,
-# linear_bf16-amx-96-128-s24.json), so with AMX it ran up to 64: 64-row bf16 steps 40.8 against
-# 42.3 ms (medians of five alternating profile_engine_steps.py runs, session 24). Since the AMX
-# kernel asks for the next block of W over every pass of x, it takes 0.93x oneDNN's time
-# at 64 rows, 0.95-1.02x at 80 and 96, and 1.10x at 112 and 128 (results/linear_bf16-amx-s25-*.json),
-# so with AMX it runs up to 96. gguf's exact layers take their codes to the same kernel up to
-# here instead of de-quantizing W for oneDNN: 64-row gguf steps 41.4 against 127 ms (session 24),
-# 96-row ones 55.5 against 145.8, where bf16's took 53.1 against 54.6 (profile_engine_steps.py
-# --num-prompts 96, session 25).
+# Rows of x up to which tokenmill's kernel (kernels/linear_bf16.cpp, AMX tiles from 3 rows in
+# kernels/linear_amx.cpp) runs instead of oneDNN: where it was faster on SmolLM2's layer shapes with
+# a decode step's weights streamed from memory (benchmarks/bench_linear.py; without AMX 1.17-1.42x
+# at 32 rows, 0.84-1.27x at 48-64; with AMX 0.93x oneDNN's time at 64 rows, 0.95-1.02x at 96,
+# 1.10x at 112-128). gguf's exact layers widen their codes into the same kernel up to this count.
 FEW_ROWS_MAX = 96 if cpu_has_amx() else 32
 
 

@@ -8,16 +8,16 @@ model as teacher): EfficientQAT's end-to-end stage. Scales and mins are all that
 format, the kernels and the codes stay as GPTQ left them.
 
 The text is the float model's own, sampled from random first tokens (LLM-QAT's data-free recipe):
-no corpus ships with the engine and the evaluation text (`pydoc_data.topics`) is never seen. It
-has to be plentiful. Fitted on GPTQ's 8,000 calibration tokens, the scales learned that text and
-lost on the documentation (SmolLM2 +16.68% -> +17.09%, docs/quantization.md, session 17); on
-102,400 sampled tokens, seen once, SmolLM2's int4 g128 went from +12.87% to +8.60% (session 32),
-and a second pass over them overfitted again. On Qwen2.5-Coder-0.5B, whose int4 already meets
-its floor, the same fit lost (+3.57% -> +4.67%, session 32): its KL started three times lower and
-the step size carried the scales past where they helped. So the last HELD_OUT sequences are not
-fitted: their KL is measured before the fit and every EVAL_EVERY steps, and the fit ends on the
-scales that gave the lowest, GPTQ's own when nothing was lower. It stays an option, not the
-default: it costs minutes at the first load.
+no corpus ships with the engine and the evaluation text (`pydoc_data.topics`) is never seen. It has
+to be plentiful. Fitted on GPTQ's 8,000 calibration tokens, the scales learned that text and lost
+on the documentation (SmolLM2 +16.68% -> +17.09%); on 102,400 sampled tokens, seen once, SmolLM2's
+int4 g128 went from +12.87% to +8.60%, and a second pass over them overfitted again. On
+Qwen2.5-Coder-0.5B, whose int4 already meets its floor, the same fit lost (+3.57% -> +4.67%): its
+KL started three times lower and the step size carried the scales past where they helped. So the
+last HELD_OUT sequences are not fitted: their KL is measured before the fit and every EVAL_EVERY
+steps, and the fit ends on the scales that gave the lowest, GPTQ's own when nothing was lower. It
+stays an option, not the default: it costs minutes at the first load. (Each figure: `tokenmill eval
+--configs int4-g128+gptq-hadamard-distill`; docs/quantization.md.)
 
 The forward here is a plain differentiable one (whole sequences, causal attention, no KV cache, no
 kernels), run under bfloat16 autocast; benchmarks/int4_error_budget.py scores with it too.

@@ -28,8 +28,8 @@ _WORKSPACES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 PACKED_KERNELS = ("tokenmill", "aten")
 # Rows up to which a packed kernel beats de-quantize + GEMM on CPU, by kernel and activation
-# dtype, for int8 and int4 alike; measured by benchmarks/bench_quant_kernels.py
-# (results/quant_kernels.json): tokenmill's up to 256 rows of the 1024 measured, on AVX-512 BF16.
+# dtype, for int8 and int4 alike; measured by benchmarks/bench_quant_kernels.py: tokenmill's up to
+# 256 rows of the 1024 measured, on AVX-512 BF16.
 # aten's is what runs on CPUs without it; there (AVX2) it won in bfloat16 at every count measured
 # and in float32 at none.
 CPU_PACKED_MAX_ROWS = {("tokenmill", torch.bfloat16): 256,

@@ -7,7 +7,7 @@ and int4 loses less. R here is block-diagonal, one 64 x 64 Hadamard matrix with 
 (seed fixed) repeated along the inputs: every width the Llama family uses is a multiple of 64,
 and rotating x is a fast Walsh-Hadamard transform (kernels/hadamard.cpp), 6 additions an input.
 
-Measured (docs/quantization.md, int4 group 128 with GPTQ): Qwen2.5-Coder-0.5B +7.61% -> +5.45%
+Measured by `tokenmill eval` (int4 group 128 with GPTQ): Qwen2.5-Coder-0.5B +7.61% -> +5.45%
 perplexity, SmolLM2 +33.0% -> +16.7%. Rotating the residual stream instead (QuaRot's offline
 rotation, the norms' scales folded into the products) did worse on SmolLM2 (+21.9%), and far worse
 by round to nearest: folded into the weights, the norms no longer damp the stream's few huge

@@ -1,7 +1,7 @@
 """`tokenmill serve --data-parallel-size N`: N engine processes on free loopback ports, each with
 its share of the CPU threads, and the router in front of them, stopped together.
 
-Replicas run in their own session, so a Ctrl-C at the terminal reaches the router alone; the
+Replicas run in their own process group (setsid), so a Ctrl-C at the terminal reaches the router alone; the
 router then drains its open requests and sends each replica one SIGTERM, which it drains in
 turn. Replicas die with the router however it ends (PR_SET_PDEATHSIG).
 """
