@@ -511,15 +511,16 @@ def test_auto_serves_the_default_gguf_exactly_in_bfloat16(make_llm, smollm) -> N
     assert make_llm(quantization="auto").engine.runner.quantization == "none"  # float32
 
 
-def _write_gguf(path, quant_types: list[GGMLType]) -> None:
+def _write_gguf(path: Path, quant_types: list[GGMLType]) -> Path:
     """A GGUF file of one 64 x 64 matrix of each type and a norm: only its header is read."""
     writer = gguf.GGUFWriter(path, "llama")
     rng = np.random.default_rng(0)
     writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
     for index, quant_type in enumerate(quant_types):
         values = rng.standard_normal((64, 64), dtype=np.float32)
-        if quant_type == GGMLType.F16:
-            writer.add_tensor(f"blk.{index}.ffn_up.weight", values.astype(np.float16))
+        if quant_type in (GGMLType.F16, GGMLType.F32):
+            dtype = np.float16 if quant_type == GGMLType.F16 else np.float32
+            writer.add_tensor(f"blk.{index}.ffn_up.weight", values.astype(dtype))
         else:
             writer.add_tensor(f"blk.{index}.ffn_up.weight", gguf.quants.quantize(values, quant_type),
                               raw_dtype=quant_type)
@@ -527,6 +528,7 @@ def _write_gguf(path, quant_types: list[GGMLType]) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
 
 
 def test_auto_quantization_takes_gguf_only_where_it_is_exact_and_fast(tmp_path) -> None:
@@ -562,32 +564,14 @@ def test_quantization_options_are_validated() -> None:
         EngineConfig(quantization="int4", quant_group_size="big")
 
 
-def write_header_gguf(path: Path, quant_types: list[gguf.GGMLQuantizationType]) -> Path:
-    """A GGUF file of 64 x 128 matrices in the given types (auto_group_size reads the header)."""
-    writer = gguf.GGUFWriter(path, "llama")
-    values = np.random.default_rng(0).standard_normal((64, 128), dtype=np.float32)
-    for index, quant_type in enumerate(quant_types):
-        if quant_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            dtype = np.float32 if quant_type == gguf.GGMLQuantizationType.F32 else np.float16
-            writer.add_tensor(f"blk.{index}.w", values.astype(dtype))
-        else:
-            writer.add_tensor(f"blk.{index}.w", gguf.quants.quantize(values, quant_type),
-                              raw_dtype=quant_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def test_auto_group_size_is_64_over_4_bit_groups_of_32_else_128(tmp_path, smollm) -> None:
     types = gguf.GGMLQuantizationType
     assert auto_group_size(smollm.path) == 64  # SmolLM2's file: Q4_1 matrices, a Q8_0 embedding
-    assert auto_group_size(write_header_gguf(tmp_path / "q4.gguf", [types.Q4_0, types.Q4_0,
+    assert auto_group_size(_write_gguf(tmp_path / "q4.gguf", [types.Q4_0, types.Q4_0,
                                                                      types.Q8_0])) == 64
-    assert auto_group_size(write_header_gguf(tmp_path / "float.gguf", [types.F16, types.F32])) \
+    assert auto_group_size(_write_gguf(tmp_path / "float.gguf", [types.F16, types.F32])) \
         == 128
-    assert auto_group_size(write_header_gguf(tmp_path / "q8.gguf", [types.Q8_0, types.Q8_0,
+    assert auto_group_size(_write_gguf(tmp_path / "q8.gguf", [types.Q8_0, types.Q8_0,
                                                                      types.Q4_1])) == 128
 
 
