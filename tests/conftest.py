@@ -12,6 +12,8 @@ from tests.server_process import ServerProcess, start_server
 
 from tokenmill import LLM, EngineConfig
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.kernels import cpu_has_amx, cpu_kernels
+from tokenmill.model.layers import packs_bf16
 from tokenmill.model.loader import DEFAULT_MODEL, LoadedModel, load_model
 
 
@@ -69,3 +71,29 @@ def tokenmill_server(tmp_path_factory) -> ServerProcess:
     # uvicorn drains, then exits through the SIGTERM it caught, as a plain kill would.
     assert process.process.returncode in (0, -signal.SIGTERM), log
     assert f"shutdown: all {SERVER_KV_BLOCKS} KV blocks free" in log, log
+
+
+def untested_paths() -> list[str]:
+    """The kernel paths this machine can't run, so a green run here says nothing of them."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        return ["every C++ kernel (tokenmill/kernels did not build: no compiler?)"]
+    missing = []
+    if not cpu_has_amx():
+        missing.append("AMX tiles (kernels/linear_amx.cpp; the AMX branches of "
+                       "paged_attention.cpp and linear_quant.cpp)")
+    if not kernels.linear_bf16_available():
+        missing.append("AVX-512 BF16 (kernels/linear_bf16.cpp, tokenmill's int8/int4 products "
+                       "in linear_quant.cpp, the bfloat16 decode stack and tiled prefill)")
+    if not packs_bf16(torch.empty(4, 4, dtype=torch.bfloat16)):
+        missing.append("oneDNN's packed bfloat16 product (model/layers.py)")
+    if not torch.cuda.is_available():
+        missing.append("CUDA (tests/test_cuda.py)")
+    return missing
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    missing = untested_paths()
+    if missing:
+        terminalreporter.write_line("not tested on this machine: " + "; ".join(missing),
+                                    yellow=True, bold=True)

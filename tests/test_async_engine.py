@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from tests.waiting import eventually
 from tokenmill import SamplingParams
 from tokenmill.engine.async_engine import AsyncEngine, EngineLoopError, EngineStoppedError
 
@@ -32,9 +33,9 @@ async def collect(async_engine: AsyncEngine, request_id: str, prompt: str,
 
 
 async def wait_idle(async_engine: AsyncEngine) -> None:
-    while async_engine.stats.num_running or async_engine.stats.num_waiting \
-            or async_engine.stats.num_kv_blocks_used:
-        await asyncio.sleep(0.01)
+    stats = lambda: async_engine.stats  # noqa: E731
+    await eventually(lambda: not (stats().num_running or stats().num_waiting
+                                  or stats().num_kv_blocks_used), "the engine to go idle")
 
 
 def test_concurrent_streams_match_offline_generation(engine, make_llm):
@@ -70,8 +71,7 @@ def test_leaving_a_stream_or_cancelling_aborts_at_once(engine):
                 if len(output.outputs[0].token_ids) >= 3:
                     break
         reader = asyncio.create_task(collect(async_engine, "cancelled", "Hello", LONG))
-        while async_engine.stats.num_running < 1:
-            await asyncio.sleep(0.01)
+        await eventually(lambda: async_engine.stats.num_running >= 1, "the request to run")
         reader.cancel()
         with pytest.raises(asyncio.CancelledError):
             await reader

@@ -248,13 +248,16 @@ def test_client_end_to_end_against_tokenmill(server, tokenizer):
     conversations = build_dataset(DatasetSpec("shared-prefix", 6, output_len=8, num_prefixes=2,
                                               prefix_len=200, nonce="e2e"), tokenizer)
     run = run_benchmark(target, conversations, LoadShape(max_concurrency=3), "tokenmill",
-                        "shared-prefix", SLO.parse("e2el=600000"), progress=False)
+                        "shared-prefix", SLO.parse("ttft=1"), progress=False)
     m = run.metrics
     assert (m.num_completed, m.num_failed, m.output_tokens) == (6, 0, 48), run.error_examples
     assert m.usage_reported and m.input_tokens > 6 * 200
     assert m.ttft_ms.count == m.tpot_ms.count == m.e2el_ms.count == 6
     assert 0 < m.itl_ms.count <= 6 * 7
-    assert m.goodput == pytest.approx(m.request_throughput)
+    # No request over HTTP has its first token 1 ms after sending (a 200-token prefill alone
+    # takes longer), so none meets this SLO; test_goodput_counts_requests_meeting_every_slo
+    # checks the count where some do.
+    assert min(run.latencies_s["ttft"]) > 0.001 and m.goodput == 0
     assert m.request_throughput == pytest.approx(6 / m.duration_s)
     # The server's own counters agree with the usage it reported to the client.
     assert run.server.metrics_endpoint and run.server.preemptions == 0

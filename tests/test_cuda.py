@@ -152,7 +152,7 @@ def test_ngram_speculation_on_cuda_keeps_greedy_output(make_llm, cuda_bf16) -> N
     speculative = make_llm(device="cuda", dtype="bfloat16", speculative_method="ngram",
                            num_speculative_tokens=4)
     assert_parts_only_at_near_ties(speculative.generate(prompts, GREEDY),
-                                   cuda_bf16.generate(prompts, GREEDY))
+                                   cuda_bf16.generate(prompts, GREEDY), cuda_bf16)
 
 
 def test_sampled_speculation_on_cuda_is_reproducible(make_llm) -> None:
@@ -183,12 +183,12 @@ def test_quantized_model_on_cuda_keeps_the_engine_invariants(make_llm, quantizat
     assert "Paris" in answer.outputs[0].text
     prompts = varied_prompts(6)
     batched = llm.generate(prompts, GREEDY)
-    assert_parts_only_at_near_ties(batched, [llm.generate([p], GREEDY)[0] for p in prompts])
+    assert_parts_only_at_near_ties(batched, [llm.generate([p], GREEDY)[0] for p in prompts], llm)
     prompt = SYSTEM_PROMPT[:300] + " Question: what are the support hours?"
     [first] = llm.generate([prompt], GREEDY)
     [second] = llm.generate([prompt], GREEDY)
     assert second.num_cached_tokens >= 48
-    assert_parts_only_at_near_ties([second], [first])
+    assert_parts_only_at_near_ties([second], [first], llm)
 
 
 def test_gguf_model_on_cuda_gives_the_float_models_numbers(make_llm, cuda_bf16) -> None:
@@ -215,4 +215,4 @@ def test_int8_kv_cache_on_cuda_doubles_capacity_and_keeps_output(make_llm, cuda_
     assert 1.8 < ratio < 2.0
     prompts = varied_prompts(4)
     assert_parts_only_at_near_ties(int8.generate(prompts, GREEDY),
-                                   cuda_bf16.generate(prompts, GREEDY), margin=1.0)
+                                   cuda_bf16.generate(prompts, GREEDY), cuda_bf16, margin=1.0)

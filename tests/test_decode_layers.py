@@ -16,6 +16,7 @@ import torch
 from tests.test_tensor_parallel import TINY_VOCAB, greedy_tokens, tiny_prompts, write_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import cpu_kernels
+from tokenmill.model.layers import FEW_ROWS_MAX
 from tokenmill.model.llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ kernels on this machine")
@@ -60,18 +61,19 @@ def test_planned_decode_steps_equal_the_eager_model(tmp_path, smollm, architectu
                                                     quantization, quant_method, kv_cache_dtype):
     folder = write_tiny_model(tmp_path / "tiny", smollm, architecture, 4, 2)
     llm = LLM(model=str(folder), dtype=dtype, quantization=quantization,
-              quant_method=quant_method, quant_group_size=32, num_kv_blocks=256, block_size=8,
-              max_num_batched_tokens=512, kv_cache_dtype=kv_cache_dtype, debug_checks=True)
+              quant_method=quant_method, quant_group_size=32, num_kv_blocks=1024, block_size=8,
+              max_num_batched_tokens=8192, kv_cache_dtype=kv_cache_dtype, debug_checks=True)
     model = llm.engine.runner.model
     if dtype == "bfloat16" and not cpu_kernels().linear_bf16_available():
         pytest.skip("no AVX-512 BF16: the quantized layers take aten's kernels")
     assert model.decode_plan is not None
     batches = compare_every_planned_step(model)
-    prompts = varied_prompts(20)
+    # One sequence at a time, then more at once than the few-row kernels take, so bfloat16's
+    # steps take the packed oneDNN branch too.
+    prompts = varied_prompts(FEW_ROWS_MAX + 8)
     tokens = greedy_tokens(llm, prompts, max_tokens=6)
-    # One sequence at a time, then 20 at once (past the 16 rows of the few-row kernels).
     assert [greedy_tokens(llm, [prompt], max_tokens=6)[0] for prompt in prompts[:2]] == tokens[:2]
-    assert 1 in batches and 20 in batches
+    assert 1 in batches and len(prompts) in batches
 
 
 def test_steps_the_plan_leaves_to_python(tmp_path, smollm):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.test_gptq import calibrated_again
 from tests.test_tensor_parallel import greedy_tokens, tiny_prompts, write_tiny_model
 from tokenmill import LLM
 from tokenmill.model.llama import LlamaForCausalLM
@@ -37,7 +38,7 @@ def tiny_student(tmp_path, smollm, num_sequences: int, length: int):
 
 def test_distillation_lowers_the_kl_on_held_out_text(tmp_path, smollm, monkeypatch) -> None:
     monkeypatch.setenv("TOKENMILL_QUANT_CACHE_DIR", str(tmp_path / "cache"))
-    model, teacher, student, forward, text = tiny_student(tmp_path, smollm, 544, 64)
+    _, teacher, student, forward, text = tiny_student(tmp_path, smollm, 544, 64)
     train, unseen = text[:512], text[512:]
 
     def kl() -> float:
@@ -49,8 +50,9 @@ def test_distillation_lowers_the_kl_on_held_out_text(tmp_path, smollm, monkeypat
     assert len(fit.losses) == (512 - distill.HELD_OUT) // distill.SEQUENCES_PER_STEP
     assert fit.best_step > 0 and fit.held_out[-1][1] < fit.held_out[0][1]
     assert kl() < 0.97 * before  # 1.377 -> 1.304 here; with too few sequences it rose
-    codes = model.get_submodule("layers.0.mlp.down").unpacked_codes().float()
-    assert torch.equal(student["layers.0.mlp.down"].codes, codes)  # only scales and mins moved
+    # The fit moved the scales and mins (the codes it can't move are compared in the engine's
+    # test below, against GPTQ's own).
+    assert all(product.gain.any() and product.shift.any() for product in student.values())
 
 
 def test_a_fit_that_only_loses_ends_on_gptqs_scales(tmp_path, smollm, monkeypatch) -> None:
@@ -88,6 +90,7 @@ def test_distilled_engine_keeps_codes_and_batch_invariance(tmp_path, smollm, mon
     batched = greedy_tokens(llm, prompts, max_tokens=12)
     assert batched == [greedy_tokens(llm, [p], max_tokens=12)[0] for p in prompts]
     files = sorted((tmp_path / "cache").iterdir())
+    monkeypatch.setattr("tokenmill.quant.apply._run_gptq", calibrated_again)
     again = LLM(**options, quant_method="gptq-hadamard-distill").engine.runner.model
-    assert sorted((tmp_path / "cache").iterdir()) == files  # read back, not calibrated again
+    assert sorted((tmp_path / "cache").iterdir()) == files
     assert torch.equal(again.lm_head.scales, model.lm_head.scales)

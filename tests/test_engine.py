@@ -6,10 +6,14 @@ against a plain reference run of the same engine.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 
 from tokenmill import SamplingParams
 from tokenmill.engine.detokenizer import text_decoder
+from tests.near_ties import assert_parts_only_at_near_ties
 from tests.prompts import SYSTEM_PROMPT, varied_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -133,6 +137,24 @@ def test_seeded_sampling_is_reproducible_and_topk1_is_greedy(llm_fp32):
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     assert token_ids(llm_fp32.generate(prompts, top1)) == token_ids(
         llm_fp32.generate(prompts, greedy))
+
+
+def test_sampled_first_tokens_follow_the_models_probabilities(llm_fp32):
+    """400 seeded draws at temperature 1 take each of the five likeliest first tokens about as
+    often as its probability says. A request decoded greedily would always take the top token;
+    one sampled at another temperature would take it too often or too rarely."""
+    prompt = "My favourite animal is the"
+    scoring = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    [scored] = llm_fp32.generate([prompt], scoring, use_tqdm=False)
+    probs = {token: math.exp(logprob) for token, logprob in scored.outputs[0].logprobs[0].items()}
+    assert max(probs.values()) < 0.6  # else greedy and sampled draws are hard to tell apart
+    draws = 400
+    params = [SamplingParams(temperature=1.0, max_tokens=1, seed=seed) for seed in range(draws)]
+    drawn = [o.outputs[0].token_ids[0]
+             for o in llm_fp32.generate([prompt] * draws, params, use_tqdm=False)]
+    for token, p in probs.items():
+        share = drawn.count(token) / draws
+        assert abs(share - p) <= 4 * math.sqrt(p * (1 - p) / draws) + 1 / draws, (token, share, p)
 
 
 def test_sampling_n_and_logprobs(llm_fp32):
@@ -280,3 +302,27 @@ def test_requests_arriving_with_a_shared_prefix_wait_for_the_one_computing_it(ma
     assert all(o.num_cached_tokens >= 192 for o in outputs[1:])  # computed once, not four times
     assert llm.engine.stats().prompt_tokens_total == sum(
         len(o.prompt_token_ids) - o.num_cached_tokens for o in outputs)
+
+
+def test_the_near_tie_check_catches_short_output_and_a_wrong_turn_after_a_tie(llm_fp32):
+    """tests/near_ties.py against runs made wrong by hand: a short or empty output, and one that
+    parts at a real tie (its two top tokens forced equal) and then takes a token the model would
+    not (the second best at every later position)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    [reference] = llm_fp32.generate(["Once upon a time"], params, use_tqdm=False)
+    completion = reference.outputs[0]
+
+    def run(token_ids: list[int], logprobs: list[dict[int, float]]):
+        return dataclasses.replace(reference, outputs=[dataclasses.replace(
+            completion, token_ids=token_ids, logprobs=logprobs)])
+
+    assert_parts_only_at_near_ties([reference], [reference], llm_fp32)
+    for short in (completion.token_ids[:-1], []):
+        with pytest.raises(AssertionError):
+            assert_parts_only_at_near_ties([run(short, completion.logprobs[:len(short)])],
+                                           [reference], llm_fp32)
+    second_best = [sorted(entry, key=entry.get)[-2] for entry in completion.logprobs]
+    tied = [dict.fromkeys(entry, max(entry.values())) for entry in completion.logprobs]
+    wrong = completion.token_ids[:3] + second_best[3:]
+    with pytest.raises(AssertionError):
+        assert_parts_only_at_near_ties([run(wrong, tied)], [reference], llm_fp32)

@@ -76,7 +76,11 @@ def test_eval_table_on_smollm2(smollm) -> None:
     for result in (int8, kv_int8):
         assert abs(result.perplexity_change) < 5
         assert result.agreement > 0.8
-        assert 0 <= result.accuracy <= 1 and result.decode_tokens_per_s > 0
+        # 6 questions: within two answers of the reference's score.
+        assert abs(result.accuracy - reference.accuracy) <= 2 / 6 + 1e-9
+        # Any CPU decodes SmolLM2 faster than a token a second; a time read in ms would not.
+        assert result.decode_tokens_per_s > 1
+    assert reference.accuracy >= 1 / 6 and reference.decode_tokens_per_s > 1
     assert int8.model_bytes < 0.6 * reference.model_bytes
     assert kv_int8.kv_bytes_per_token < 0.6 * reference.kv_bytes_per_token
     table = report.table().splitlines()

@@ -156,16 +156,22 @@ def test_gptq_engine_keeps_batch_invariance(tiny_gptq) -> None:
     assert llm.engine.stats().num_kv_blocks_used == 0
 
 
+def calibrated_again(*args, **kwargs):
+    raise AssertionError("calibrated again instead of reading the disk cache")
+
+
 def test_gptq_differs_from_rtn_and_its_cache_is_read_back(tiny_gptq, monkeypatch) -> None:
     llm, folder, cache = tiny_gptq
     [cached_file] = cache.iterdir()
     monkeypatch.setenv("TOKENMILL_QUANT_CACHE_DIR", str(cache))
     options = dict(model=str(folder), dtype="float32", num_kv_blocks=64, quantization="int4",
                    quant_group_size=32)
-    again = LLM(**options, quant_method="gptq").engine.runner.model
+    with monkeypatch.context() as patch:  # the second load must read the file, not calibrate
+        patch.setattr("tokenmill.quant.apply._run_gptq", calibrated_again)
+        again = LLM(**options, quant_method="gptq").engine.runner.model
     rtn = LLM(**options, quant_method="rtn").engine.runner.model
     first = llm.engine.runner.model
-    assert list(cache.iterdir()) == [cached_file]  # the second load read it
+    assert list(cache.iterdir()) == [cached_file]
     for name in ("layers.0.self_attn.qkv", "layers.1.mlp.down", "lm_head"):
         codes = first.get_submodule(name).codes
         assert torch.equal(again.get_submodule(name).codes, codes)

@@ -1,10 +1,12 @@
 """The int8 KV cache on the real SmolLM2 (fp32 compute): capacity, the engine's invariants, and
 closeness to the float cache.
 
-The layout and the attention paths are proven in test_attention.py; these tests prove that the
-engine's greedy output stays identical alone and batched, with a prefix-cache hit and with chunked
-prefill, when every token's K/V round-trips through int8; after a preemption it may part only at
-a near-tie (see that test).
+The layout and the attention paths are proven in test_attention.py. With every token's K/V
+round-tripped through int8, the engine's greedy output stays identical under chunked prefill.
+Batched against alone, after a prefix-cache hit and after a preemption, it may part, but only at a
+near-tie (tests/near_ties.py): there the same K is computed from products of another row count,
+which fp32 can round differently in the last bit (MKL's products do on AVX2, below a multiple of
+four rows), and int8 rounding can turn that bit into a code one step away.
 """
 
 from __future__ import annotations
@@ -50,14 +52,17 @@ def test_output_stays_close_to_the_float_cache(llm_kv_int8, llm_fp32) -> None:
         reference.outputs[0].logprobs[0][first_token], abs=0.05)
 
 
-def test_batch_invariance(llm_kv_int8) -> None:
+def test_batched_output_parts_from_alone_only_at_near_ties(llm_kv_int8) -> None:
+    """On an AVX2-only EPYC the sixth prompt parted at its 13th token, where its two
+    candidates were 0.0006 apart alone and 0.006 batched."""
     prompts = varied_prompts(6)
-    batched = token_ids(llm_kv_int8.generate(prompts, GREEDY, use_tqdm=False))
-    alone = [token_ids(llm_kv_int8.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
-    assert batched == alone
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    batched = llm_kv_int8.generate(prompts, params, use_tqdm=False)
+    alone = [llm_kv_int8.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    assert_parts_only_at_near_ties(batched, alone, llm_kv_int8, margin=INT8_KV_NEAR_TIE)
 
 
-def test_prefix_cache_hit_keeps_output(make_llm, llm_kv_int8) -> None:
+def test_prefix_cache_hit_parts_only_at_near_ties(make_llm, llm_kv_int8) -> None:
     """The hit's remaining prompt tokens are a prefill of a few rows, where the miss computed
     them among all the prompt's rows: fp32 products can differ in the last bit by row count, and
     int8 rounding can turn that into a code one step away (as with preemption, below). So the
@@ -68,16 +73,16 @@ def test_prefix_cache_hit_keeps_output(make_llm, llm_kv_int8) -> None:
     conversation = [{"role": "system", "content": SYSTEM_PROMPT},
                     {"role": "user", "content": "What are the support hours?"}]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
-    reference = make_llm(kv_cache_dtype="int8", enable_prefix_caching=False).chat(
-        [conversation], params, use_tqdm=False)
+    uncached = make_llm(kv_cache_dtype="int8", enable_prefix_caching=False)
+    reference = uncached.chat([conversation], params, use_tqdm=False)
     first = llm_kv_int8.chat([conversation], params, use_tqdm=False)
     second = llm_kv_int8.chat([conversation], params, use_tqdm=False)
     assert second[0].num_cached_tokens >= 192
     assert token_ids(first) == token_ids(reference)
-    assert_parts_only_at_near_ties(second, reference, margin=INT8_KV_NEAR_TIE)
+    assert_parts_only_at_near_ties(second, reference, uncached, margin=INT8_KV_NEAR_TIE)
 
 
-def test_preemption_keeps_output(make_llm, llm_kv_int8) -> None:
+def test_preemption_parts_only_at_near_ties(make_llm, llm_kv_int8) -> None:
     """A preempted request recomputes its generated tokens' K/V as a prefill: products of many
     rows, where decode computed them one row at a time, and fp32 products can differ in the last
     bit by row count. int8 rounding can turn that bit into a code one step away, so this run may
@@ -88,7 +93,7 @@ def test_preemption_keeps_output(make_llm, llm_kv_int8) -> None:
     small = make_llm(kv_cache_dtype="int8", num_kv_blocks=8, block_size=16)
     outputs = small.generate(prompts, params, use_tqdm=False)
     assert small.engine.stats().num_preemptions >= 1
-    assert_parts_only_at_near_ties(outputs, reference, margin=INT8_KV_NEAR_TIE)
+    assert_parts_only_at_near_ties(outputs, reference, llm_kv_int8, margin=INT8_KV_NEAR_TIE)
     assert small.engine.stats().num_kv_blocks_used == 0
 
 

@@ -23,7 +23,7 @@ from tests.prompts import SYSTEM_PROMPT, varied_prompts
 from tests.test_tensor_parallel import write_tiny_model
 from tokenmill import LLM, EngineConfig, SamplingParams
 from tokenmill.cli import add_engine_args, engine_config_from_args
-from tokenmill.kernels import cpu_has_amx, fused_kernels
+from tokenmill.kernels import cpu_has_amx, cpu_kernels, fused_kernels
 from tokenmill.model.layers import FEW_ROWS_MAX, PACKED_MAX_ROWS, Linear
 from tokenmill.model.loader import GGUFBlocks
 from tokenmill.quant.gguf import auto_group_size, auto_quantization, gguf_linear
@@ -115,6 +115,35 @@ def layers(weight: torch.Tensor, bias: torch.Tensor | None, packed_max_rows: int
 OWN_KERNELS = own_kernels(torch.device("cpu"), torch.bfloat16, 96, 576) is not None
 KERNELS = [pytest.param("tokenmill", marks=pytest.mark.skipif(
     not OWN_KERNELS, reason="tokenmill's int8/int4 kernels need AVX-512 BF16")), "aten"]
+# tokenmill's kernels take bfloat16 activations only.
+KERNEL_DTYPES = [pytest.param("tokenmill", torch.bfloat16, id="tokenmill-bf16",
+                              marks=KERNELS[0].marks),
+                 pytest.param("aten", torch.float32, id="aten-fp32"),
+                 pytest.param("aten", torch.bfloat16, id="aten-bf16")]
+
+
+def defined_weight(layer: QuantizedLinear) -> torch.Tensor:
+    """W [out, in] in float32 from the layer's stored codes by each format's definition, not by
+    its dequantize: an int8 code times its row's scale; an int4 code (a group's bytes hold its
+    first half in their low nibbles, its second half in their high ones) times its group's scale,
+    plus its group's min."""
+    if isinstance(layer, Int8Linear):
+        return layer.codes.float() * layer.scales.float()
+    columns, start = [], 0
+    for group, width in enumerate(group_widths(layer.padded_in_features, layer.group_size)):
+        packed = layer.codes[:, start:start + width // 2]
+        codes = torch.cat([packed & 0x0F, packed >> 4], dim=1).float()
+        columns.append(codes * layer.scales[:, group:group + 1].float()
+                       + layer.mins[:, group:group + 1].float())
+        start += width // 2
+    return torch.cat(columns, dim=1)[:, :layer.in_features]
+
+
+def defined_rotation(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """x R in float32 as a product with R itself (the layer rotates by a fast transform)."""
+    if layer.input_rotation is None:
+        return x.float()
+    return (x.float().reshape(-1, 64) @ rotation_matrix(layer.input_rotation)).view(x.shape)
 
 
 def activation_group(layer: QuantizedLinear, rows: int) -> int | None:
@@ -132,31 +161,29 @@ def activation_group(layer: QuantizedLinear, rows: int) -> int | None:
     return layer.group_size if rows <= (8 if cpu_has_amx() else 16) else None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", [PACKED, DEQUANTIZE, None], ids=["packed", "dequant", "auto"])
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel,dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("out_features", [96, 128])  # 128: int4's lanes_product from 33 rows
 def test_quantized_linear_matches_float_reference(dtype: torch.dtype, path: int | None,
                                                   kernel: str, out_features: int) -> None:
-    if kernel == "tokenmill" and dtype != torch.bfloat16:
-        pytest.skip("tokenmill's kernels take bfloat16 activations")
     weight = random_weight(out_features, 576).to(dtype)
     bias = torch.randn(out_features).to(dtype)
     tolerance = {torch.float32: 1e-4, torch.bfloat16: 5e-2}[dtype]
     for layer, twin in zip(layers(weight, bias, path, kernel), layers(weight, bias, DEQUANTIZE)):
-        # The float reference: the same codes de-quantized, in a float GEMM (of x R and W R
-        # for a rotated layer).
-        reference_weight = twin.dequantize().to(dtype)
+        # The float reference: the stored codes by their definition (twin holds the same codes
+        # where `layer` keeps only its kernel's copy), in a float32 GEMM of x R and W R for a
+        # rotated layer, rounded once to dtype.
+        reference_weight = defined_weight(twin)
         for rows in ROW_COUNTS:
             x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(dtype)
             out = layer(x)
             assert out.dtype == dtype and out.shape == (rows, out_features)
-            expected = F.linear(twin.rotated(x), reference_weight, bias)
+            x_rotated = defined_rotation(twin, x)
+            expected = F.linear(x_rotated, reference_weight, bias.float()).to(dtype)
             group = activation_group(layer, rows)
             if group is not None:
                 # x meets the codes as int8 codes, each off by at most half its group's step
                 # max |x| / 127; the rotation is unrounded there, x R is rounded to bf16 here.
-                x_rotated = twin.rotated(x).float()
                 steps = F.pad(x_rotated, (0, -576 % group)).abs().unflatten(1, (-1, group))
                 steps = steps.amax(-1).repeat_interleave(group, 1)[:, :576] / 127
                 bound = (steps / 2 + x_rotated.abs() * 2**-8) @ reference_weight.float().abs().T
@@ -493,22 +520,26 @@ def test_gguf_model_in_bfloat16_generates_the_float_models_tokens_and_logprobs(m
         assert quantized.outputs[0].logprobs == reference.outputs[0].logprobs
 
 
-def test_auto_serves_the_default_gguf_exactly_in_bfloat16(make_llm, smollm) -> None:
+def test_auto_serves_the_default_gguf_exactly_in_bfloat16(make_llm) -> None:
     """quantization="auto", the default, serves SmolLM2's Q4_1/Q8_0 file as gguf in bfloat16:
     the float model's tokens and logprobs from under half its weight bytes; float32 keeps the
     float model."""
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
     prompts = ["The capital of France is", SYSTEM_PROMPT[:300]]
-    auto, none = (make_llm(dtype="bfloat16", quantization=q) for q in ("auto", "none"))
-    expected = auto_quantization(smollm.path, torch.bfloat16, torch.device("cpu"), 1)
-    assert auto.engine.runner.quantization == expected
-    if expected == "gguf":
-        assert auto.engine.runner.model_bytes < 0.45 * none.engine.runner.model_bytes
+    assert make_llm(quantization="auto").engine.runner.quantization == "none"  # float32
+    auto = make_llm(dtype="bfloat16", quantization="auto")
+    # Read from the CPU, not from auto_quantization: the file is all Q4_1/Q8_0/float.
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.linear_bf16_available():
+        assert auto.engine.runner.quantization == "none"
+        pytest.skip("no bfloat16 kernels on this CPU: auto serves the float model")
+    assert auto.engine.runner.quantization == "gguf"
+    none = make_llm(dtype="bfloat16", quantization="none")
+    assert auto.engine.runner.model_bytes < 0.45 * none.engine.runner.model_bytes
     for served, reference in zip(auto.generate(prompts, params, use_tqdm=False),
                                  none.generate(prompts, params, use_tqdm=False)):
         assert served.outputs[0].token_ids == reference.outputs[0].token_ids
         assert served.outputs[0].logprobs == reference.outputs[0].logprobs
-    assert make_llm(quantization="auto").engine.runner.quantization == "none"  # float32
 
 
 def _write_gguf(path: Path, quant_types: list[GGMLType]) -> Path:

@@ -22,6 +22,7 @@ import pytest
 
 from tests.prompts import CHAT_QUESTIONS, SYSTEM_PROMPT
 from tests.server_process import REPO_ROOT, ServerProcess, free_port, start_server, wait_healthy
+from tests.waiting import eventually
 from tokenmill.router.policies import (CacheAware, LeastLoad, PolicySettings, PromptLength,
                                        RoundRobin, make_policy)
 from tokenmill.router.proxy import WORKER_HEADER, routing_text
@@ -230,8 +231,8 @@ def test_a_replica_killed_under_load_loses_no_request(replicas, round_robin):
                      for i in range(40)]
             # Kill once the victim streams its first batch (24 tokens to go) and holds the
             # rest of its share in its queue: 8 requests run at most on each replica.
-            while started[victim_url] < 2:
-                await asyncio.sleep(0.05)
+            await eventually(lambda: started[victim_url] >= 2, "the victim to stream",
+                             timeout_s=180, interval_s=0.05)
             victim.kill()
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
 

@@ -64,6 +64,15 @@ def mixed_reference(llm_fp32, mixed_batch):
     return token_ids(llm_fp32.generate(*mixed_batch))
 
 
+def test_the_seeded_references_are_sampled_not_greedy(llm_fp32, mixed_batch, mixed_reference):
+    """Speculation matching a seeded reference proves it samples only if the reference was drawn:
+    each seeded prompt's reference must part from that prompt's greedy output."""
+    prompts, params = mixed_batch
+    seeded = [i for i, p in enumerate(params) if p.temperature > 0]
+    greedy = token_ids(llm_fp32.generate([prompts[i] for i in seeded], GREEDY))
+    assert all(mixed_reference[i] != g for i, g in zip(seeded, greedy))
+
+
 @pytest.mark.parametrize("method", ["ngram", "self", "draft"])
 def test_output_is_identical_to_plain_decoding(make_llm, llm_fp32, mixed_batch, mixed_reference,
                                                method):

@@ -247,7 +247,8 @@ def test_a_dead_worker_fails_requests_at_once_and_marks_the_engine_unhealthy(tmp
     assert not llm.generate(tiny_prompts()[:2], params, use_tqdm=False)[0].error
     [worker] = llm.engine.runner.workers.processes
     os.kill(worker.pid, signal.SIGKILL)
-    worker.join()
+    worker.join(timeout=30)
+    assert not worker.is_alive()
     for _ in range(2):  # the peer's loss, then the stopped group: an error, never a hang
         outputs = llm.generate(tiny_prompts()[:2], params, use_tqdm=False)
         assert all(o.error and o.error.startswith("engine error: ") for o in outputs)
