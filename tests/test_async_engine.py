@@ -33,9 +33,11 @@ async def collect(async_engine: AsyncEngine, request_id: str, prompt: str,
 
 
 async def wait_idle(async_engine: AsyncEngine) -> None:
-    stats = lambda: async_engine.stats  # noqa: E731
-    await eventually(lambda: not (stats().num_running or stats().num_waiting
-                                  or stats().num_kv_blocks_used), "the engine to go idle")
+    def idle() -> bool:
+        stats = async_engine.stats
+        return not (stats.num_running or stats.num_waiting or stats.num_kv_blocks_used)
+
+    await eventually(idle, "the engine to go idle")
 
 
 def test_concurrent_streams_match_offline_generation(engine, make_llm):

@@ -68,7 +68,7 @@ def test_the_seeded_references_are_sampled_not_greedy(llm_fp32, mixed_batch, mix
     """Speculation matching a seeded reference proves it samples only if the reference was drawn:
     each seeded prompt's reference must part from that prompt's greedy output."""
     prompts, params = mixed_batch
-    seeded = [i for i, p in enumerate(params) if p.temperature > 0]
+    seeded = [i for i, p in enumerate(params) if not p.greedy]
     greedy = token_ids(llm_fp32.generate([prompts[i] for i in seeded], GREEDY))
     assert all(mixed_reference[i] != g for i, g in zip(seeded, greedy))
 
